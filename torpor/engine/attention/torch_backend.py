@@ -1,0 +1,82 @@
+"""Attention in plain PyTorch ops: the CPU path, and the reference the GPU kernels are checked against."""
+
+import torch
+import torch.nn.functional as F
+
+from torpor.engine.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Prefill: packed variable-length causal attention, one sequence at a time, over the cached prefix
+    (if any) plus the new tokens. Decode: all sequences at once, K/V read through the block tables."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if metadata.is_prefill:
+            return self._prefill(q, k, v, k_cache, v_cache, metadata, scale)
+        return self._decode(q, k_cache, v_cache, metadata, scale)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if metadata.cu_seqlens_q is None:
+            raise ValueError("prefill attention needs cu_seqlens_q")
+        out = torch.empty_like(q)
+        cu_seqlens = metadata.cu_seqlens_q.tolist()
+        for i, context_len in enumerate(metadata.context_lens.tolist()):
+            start, end = cu_seqlens[i], cu_seqlens[i + 1]
+            num_cached = context_len - (end - start)
+            if num_cached == 0:  # nothing cached before: the new K/V are the whole context
+                seq_k, seq_v = k[start:end], v[start:end]
+            else:
+                if not k_cache.numel():
+                    raise ValueError("prefill over a cached prefix needs a KV cache")
+                blocks = metadata.block_tables[i]
+                seq_k = gather_context(k_cache, blocks, context_len)
+                seq_v = gather_context(v_cache, blocks, context_len)
+            out[start:end] = causal_attention(q[start:end], seq_k, seq_v, num_cached, scale)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        max_context_len = metadata.max_context_len or int(metadata.context_lens.max())
+        block_tables = metadata.block_tables[:, : -(-max_context_len // block_size)]
+        # [num_seqs, max_context_len rounded up to whole blocks, num_kv_heads, head_dim]
+        keys = k_cache[block_tables].flatten(1, 2).float()
+        values = v_cache[block_tables].flatten(1, 2).float()
+        q = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale  # [seqs, kv_heads, groups, ctx]
+        positions = torch.arange(keys.shape[1], device=q.device)
+        beyond = positions[None, :] >= metadata.context_lens[:, None]  # [seqs, ctx]
+        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        out = torch.einsum("skgl,slkd->skgd", scores.softmax(dim=-1), values)
+        return out.reshape(num_seqs, num_heads, head_dim).to(k_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first `context_len` tokens of one sequence: [context_len, num_kv_heads, head_dim]."""
+    num_blocks = -(-context_len // cache.shape[1])
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
+    """q [q_len, num_heads, head_dim] attends to k/v [num_cached + q_len, num_kv_heads, head_dim];
+    query i sits at position num_cached + i and sees keys 0..num_cached + i (bottom-right causal)."""
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (t.transpose(0, 1) for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    if num_cached == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        q_pos = torch.arange(q.shape[1], device=q.device)[:, None] + num_cached
+        mask = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)  # [q_len, num_heads, head_dim]

@@ -1,0 +1,114 @@
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+Torch-free on purpose: the scheduler and block manager read it without importing torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import re
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+# Without an explicit budget the prefill batch holds at least this many tokens (and always a
+# whole max_model_len prompt, since prefill is not chunked).
+_DEFAULT_BATCHED_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to size its state.
+
+    `num_kv_blocks` is unknown until the model runner has profiled memory; it fills it in with
+    `dataclasses.replace(config, num_kv_blocks=n)` (see `with_num_kv_blocks`), which re-validates.
+    """
+
+    model: str                                   # Hugging Face checkpoint folder
+    dtype: str = "auto"                          # "auto" = the checkpoint's torch_dtype
+    device: str = "auto"                         # "auto" | "cpu" | "cuda" | "cuda:N"
+    max_model_len: int = 4096                    # prompt + output tokens of one sequence
+    max_num_seqs: int = 256                      # sequences running at once
+    max_num_batched_tokens: int | None = None    # None: max(16384, max_model_len)
+    block_size: int = 16                         # tokens per KV-cache block
+    gpu_memory_utilization: float = 0.9          # fraction of device memory the engine may use
+    enforce_eager: bool = False                  # True: never capture CUDA graphs
+    seed: int = 0                                # seeds unseeded requests (see Scheduler.add)
+    tensor_parallel_size: int = 1
+    num_kv_blocks: int | None = None             # filled by memory profiling
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            # Frozen dataclass: resolving the derived default is the one permitted write.
+            object.__setattr__(self, "max_num_batched_tokens",
+                               max(_DEFAULT_BATCHED_TOKENS, self.max_model_len))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty checkpoint path, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):
+            _check_positive_int(name, getattr(self, name))
+        _check_int("seed", self.seed)
+        if self.block_size & (self.block_size - 1):
+            # The Triton decode kernel tiles one block with tl.arange, which needs a power of two.
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): prefill is not chunked, so one batch must hold a whole sequence")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, int | float) or not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
+        if self.num_kv_blocks is not None:
+            _check_positive_int("num_kv_blocks", self.num_kv_blocks)
+            if self.num_kv_blocks * self.block_size < self.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {self.num_kv_blocks} blocks x {self.block_size} tokens = "
+                    f"{self.num_kv_blocks * self.block_size} tokens, fewer than max_model_len "
+                    f"({self.max_model_len}); lower max_model_len or raise gpu_memory_utilization")
+
+    def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
+        """A copy with the profiled KV-cache size (validated like every other field)."""
+        return dataclasses.replace(self, num_kv_blocks=num_kv_blocks)
+
+    @property
+    def max_num_blocks_per_seq(self) -> int:
+        """Width of a block table: blocks one sequence of max_model_len tokens needs."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes a CUDA graph is captured for: 1, 2, 4, 8, then every multiple of 8,
+        and max_num_seqs itself, so every batch pads to at most 7 extra rows."""
+        sizes = [s for s in (1, 2, 4) if s < self.max_num_seqs]
+        sizes += range(8, self.max_num_seqs, 8)
+        return (*sizes, self.max_num_seqs)
+
+    def padded_batch_size(self, num_seqs: int) -> int:
+        """The smallest captured batch size that fits `num_seqs` decode sequences."""
+        sizes = self.cuda_graph_batch_sizes
+        i = bisect.bisect_left(sizes, num_seqs)
+        if num_seqs < 1 or i == len(sizes):
+            raise ValueError(f"num_seqs must be in [1, {self.max_num_seqs}], got {num_seqs}")
+        return sizes[i]
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    _check_int(name, value)
+    if value < 1:  # type: ignore[operator]
+        raise ValueError(f"{name} must be >= 1, got {value}")

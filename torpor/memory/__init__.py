@@ -1,0 +1,41 @@
+"""torpor.memory: tagged, address-stable device and host memory that sleeps and wakes.
+
+    from torpor.memory import MemoryManager
+    mm = MemoryManager("cuda:0")            # or "cpu"
+    with mm.tag("weights"):
+        model = build_model()              # every tensor allocated here lives in "weights"
+    mm.sleep({"weights": "offload"})       # device memory released, bytes kept on the host
+    mm.wake()                              # same addresses, same bytes
+
+Never imports the engine. See docs/memory.md.
+"""
+
+from torpor.memory.manager import MemoryManager
+from torpor.memory.types import (
+    Action,
+    AuditReport,
+    HostMemoryError,
+    LateAllocation,
+    Report,
+    TagAsleepError,
+    TagReport,
+    TagState,
+    TagUsage,
+    TorporMemoryError,
+    WakeError,
+)
+
+__all__ = [
+    "Action",
+    "AuditReport",
+    "HostMemoryError",
+    "LateAllocation",
+    "MemoryManager",
+    "Report",
+    "TagAsleepError",
+    "TagReport",
+    "TagState",
+    "TagUsage",
+    "TorporMemoryError",
+    "WakeError",
+]

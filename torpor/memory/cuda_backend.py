@@ -1,0 +1,257 @@
+"""CUDA backend: one `torch.cuda.MemPool` per tag, backed by CUDA virtual memory.
+
+Each tag's pool has its own pluggable allocator whose two C callbacks are ctypes function
+pointers into this module. The caching allocator calls them once per *segment* (not per tensor);
+`alloc` reserves an address range and maps fresh physical memory into it, `free` undoes that.
+Sleep unmaps the physical memory (after an optional copy to host) and keeps the address range;
+wake maps new physical memory at the same addresses. Tensors, views and captured CUDA graphs
+therefore stay valid.
+
+GIL and allocator lock: the callbacks run while the caching allocator holds its mutex and take
+the GIL (ctypes does) and then `SegmentStore.lock`. A thread that holds the GIL and waits for the
+allocator mutex could deadlock against a thread inside a callback only if that thread allocated
+into a tag *without* holding the GIL; tag scopes are entered from Python and are per thread, so
+every allocation into a tag comes from a thread that held the GIL when it called into PyTorch
+(C++ worker threads such as autograd's are not in the scope and allocate from the default pool,
+where `audit()` shows them). `SegmentStore.lock` is never held across a call into PyTorch's
+allocator. At interpreter exit the callbacks do nothing (the process gives everything back).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torpor.memory import cuda_driver
+from torpor.memory.cuda_driver import CudaDriverError, VirtualMemory
+from torpor.memory.host_buffer import HostBuffer
+from torpor.memory.segments import DeviceOutOfMemory, Segment, SegmentStore
+from torpor.memory.types import HostMemoryError
+
+_ALLOC_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FREE_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+# Every store that owns segments, so `audit` can tell "another manager's tag" from "no tag".
+_STORES: list[CudaBackend] = []
+_STORES_LOCK = threading.Lock()
+
+
+@dataclass(eq=False)
+class CudaSegment(Segment):
+    handle: Any = None  # CUmemGenericAllocationHandle while resident
+
+
+def _keep_forever(obj: object) -> None:
+    """PyTorch keeps raw pointers to the callbacks for the life of the process, possibly past
+    interpreter teardown: give the ctypes thunks a reference nobody ever drops."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+class CudaBackend(SegmentStore):
+    """Segments of one device, grouped in per-tag memory pools."""
+
+    def __init__(self, device_index: int, host_backup: str = "pinned",
+                 max_host_bytes: int | None = None,
+                 on_new_segment: Callable[[str, int], None] | None = None) -> None:
+        super().__init__(max_host_bytes)
+        self.device_index = device_index
+        self.host_backup = host_backup
+        self.on_new_segment = on_new_segment
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            self.vm = VirtualMemory(device_index)
+        self.pools: dict[str, torch.cuda.MemPool] = {}
+        self._scopes = threading.local()  # per thread: stack of active use_mem_pool contexts
+        self._stream: torch.cuda.Stream | None = None
+        self.callback_errors: list[str] = []
+        with _STORES_LOCK:
+            _STORES.append(self)
+
+    # ---- tags and scopes ---------------------------------------------------------------
+    def create_tag(self, tag: str) -> None:
+        alloc = _ALLOC_T(lambda size, device, stream: self._on_alloc(tag, size))
+        free = _FREE_T(lambda ptr, size, device, stream: self._on_free(ptr))
+        _keep_forever(alloc)
+        _keep_forever(free)
+        allocator = torch._C._cuda_customAllocator(
+            ctypes.cast(alloc, ctypes.c_void_p).value, ctypes.cast(free, ctypes.c_void_p).value)
+        self.pools[tag] = torch.cuda.MemPool(allocator)
+
+    def pool_id(self, tag: str) -> tuple[int, int]:
+        return self.pools[tag].id
+
+    def enter_scope(self, tag: str, parent: str | None) -> None:
+        """Make this thread allocate from `tag`'s pool. The caching allocator picks the innermost
+        pool on CUDA and the outermost on other backends, so only one pool is ever active."""
+        stack = self._stack()
+        if parent is not None:
+            stack[-1].__exit__(None, None, None)
+        _ExpandableSegments.suspend()
+        ctx = torch.cuda.use_mem_pool(self.pools[tag], self.device_index)
+        ctx.__enter__()
+        stack.append(ctx)
+
+    def exit_scope(self, tag: str, parent: str | None) -> None:
+        stack = self._stack()
+        stack.pop().__exit__(None, None, None)
+        _ExpandableSegments.resume()
+        if parent is not None:
+            stack[-1] = torch.cuda.use_mem_pool(self.pools[parent], self.device_index)
+            stack[-1].__enter__()
+
+    def _stack(self) -> list:
+        if not hasattr(self._scopes, "stack"):
+            self._scopes.stack = []
+        return self._scopes.stack
+
+    # ---- allocator callbacks (run under the caching allocator's lock) -------------------
+    def _on_alloc(self, tag: str, size: int) -> int | None:
+        try:
+            if tag in self.asleep:
+                self.callback_errors.append(f"allocation of {size} bytes into sleeping tag {tag!r} refused")
+                return None
+            rsize = self.vm.round_up(size)
+            address = self.vm.reserve(rsize)
+            try:
+                handle = self.vm.map(address, rsize)
+            except CudaDriverError:
+                self.vm.free_range(address, rsize)
+                return None  # PyTorch frees cached blocks, retries, then raises OutOfMemoryError
+            self.add(CudaSegment(address, rsize, tag, handle=handle))
+            if self.on_new_segment is not None:
+                self.on_new_segment(tag, rsize)
+            return address
+        except BaseException:  # an exception must never cross into C++
+            self.callback_errors.append(traceback.format_exc())
+            return None
+
+    def _on_free(self, ptr: int | None, _is_finalizing=sys.is_finalizing) -> None:
+        if ptr is None or _is_finalizing():
+            return
+        try:
+            seg = self.pop(ptr)
+            if seg is None:
+                return
+            if seg.resident:
+                self.vm.unmap(seg.address, seg.size, seg.handle)
+            self.vm.free_range(seg.address, seg.size)
+            if seg.backup is not None:
+                seg.backup.free()
+        except BaseException:
+            self.callback_errors.append(traceback.format_exc())
+
+    # ---- device primitives for SegmentStore --------------------------------------------
+    def _stream_handle(self) -> int:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device_index)
+        return self._stream.cuda_stream
+
+    def _reserve_backups(self, segments: list[Segment]) -> None:
+        made: list[Segment] = []
+        try:
+            for seg in segments:
+                if seg.backup is None:
+                    seg.backup = HostBuffer.allocate(seg.size, self.host_backup)
+                    made.append(seg)
+        except (MemoryError, OSError, CudaDriverError) as exc:
+            for seg in made:
+                seg.backup.free()
+                seg.backup = None
+            need = sum(s.size for s in segments) / 2**20
+            raise HostMemoryError(f"no host memory for a {need:.0f} MiB {self.host_backup} offload ({exc}); "
+                                  "nothing was released") from None
+
+    def backup_size(self, segment: Segment) -> int:
+        return segment.backup.size
+
+    def _free_backup(self, segment: Segment) -> None:
+        segment.backup.free()
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device_index)
+
+    def _copy_out(self, segments: list[Segment]) -> None:
+        stream = self._stream_handle()
+        for seg in segments:
+            cuda_driver.copy_d2h(seg.backup.ptr, seg.address, seg.size, stream)
+        cuda_driver.stream_synchronize(stream)
+
+    def _release(self, segment: Segment) -> None:
+        self.vm.unmap(segment.address, segment.size, segment.handle)
+        segment.handle = None
+
+    def _map(self, segment: Segment) -> None:
+        try:
+            segment.handle = self.vm.map(segment.address, segment.size)
+        except CudaDriverError as exc:
+            if exc.out_of_memory:
+                raise DeviceOutOfMemory(str(exc)) from None
+            raise
+
+    def _fill(self, segment: Segment) -> None:
+        stream = self._stream_handle()
+        if segment.holds_copy:
+            cuda_driver.copy_h2d(segment.address, segment.backup.ptr, segment.size, stream)
+        else:
+            cuda_driver.memset_zero(segment.address, segment.size, stream)
+
+    def _finish_fills(self) -> None:
+        cuda_driver.stream_synchronize(self._stream_handle())
+
+    # ---- readings ----------------------------------------------------------------------
+    def allocated_bytes(self) -> tuple[dict[str, int], int]:
+        """Bytes in live tensors per tag, and bytes of segments on this device that belong to no
+        torpor tag (the default pool and any pool torpor does not manage)."""
+        per_tag: dict[str, int] = {}
+        untagged = 0
+        with _STORES_LOCK:
+            others = [s for s in _STORES if s is not self and s.device_index == self.device_index]
+        for seg in torch.cuda.memory_snapshot():
+            if seg["device"] != self.device_index:
+                continue
+            mine = self.segments.get(seg["address"])
+            if mine is not None:
+                per_tag[mine.tag] = per_tag.get(mine.tag, 0) + seg["allocated_size"]
+            elif not any(seg["address"] in s.segments for s in others):
+                untagged += seg["total_size"]
+        return per_tag, untagged
+
+    def device_used_bytes(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device_index)
+        return total - free
+
+
+class _ExpandableSegments:
+    """`expandable_segments:True` makes the caching allocator map its own memory instead of
+    calling a pool's allocator, so tag pools would silently stop releasing memory. While any tag
+    scope is active the setting is switched off (it only affects new segments), then restored."""
+
+    _depth = 0
+    _lock = threading.Lock()
+
+    @staticmethod
+    def requested() -> bool:
+        conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+    @classmethod
+    def suspend(cls) -> None:
+        with cls._lock:
+            cls._depth += 1
+            if cls._depth == 1 and cls.requested():
+                torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+
+    @classmethod
+    def resume(cls) -> None:
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0 and cls.requested():
+                torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -1,0 +1,120 @@
+"""Checked access to the CUDA driver API through NVIDIA's cuda-bindings (`cuda.bindings.driver`).
+
+Everything torpor needs from the driver: virtual-memory reservation and mapping, pinned host
+memory, asynchronous copies and memsets. Each wrapper raises `CudaDriverError` with the call's
+name and the driver's error name instead of returning an error code.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+class CudaDriverError(RuntimeError):
+    def __init__(self, call: str, code: Any) -> None:
+        self.code = code
+        self.out_of_memory = getattr(code, "name", "") == "CUDA_ERROR_OUT_OF_MEMORY"
+        super().__init__(f"{call} failed: {getattr(code, 'name', code)}")
+
+
+@functools.cache
+def driver() -> Any:
+    """The `cuda.bindings.driver` module, or a clear ImportError saying how to install it."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as exc:
+        raise ImportError(
+            "torpor's CUDA memory backend needs NVIDIA's cuda-bindings: install `torpor[cu12]` for a "
+            "CUDA 12 driver or `torpor[cu13]` for a CUDA 13 driver (pip install 'cuda-bindings>=13,<14')"
+        ) from exc
+    return cu
+
+
+def check(call: str, result: Any) -> Any:
+    """Unpack a cuda-bindings result tuple `(err, *values)`; raise on error."""
+    cu = driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaDriverError(call, err)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class VirtualMemory:
+    """Physical allocations mapped into reserved address ranges on one device."""
+
+    def __init__(self, device_index: int) -> None:
+        cu = driver()
+        self.cu = cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device_index
+        self.prop = prop
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device_index
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.access = access
+        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        self.granularity = int(check("cuMemGetAllocationGranularity",
+                                     cu.cuMemGetAllocationGranularity(prop, flag)))
+
+    def round_up(self, size: int) -> int:
+        g = self.granularity
+        return (size + g - 1) // g * g
+
+    def reserve(self, size: int) -> int:
+        return int(check("cuMemAddressReserve", self.cu.cuMemAddressReserve(size, self.granularity, 0, 0)))
+
+    def free_range(self, address: int, size: int) -> None:
+        check("cuMemAddressFree", self.cu.cuMemAddressFree(address, size))
+
+    def map(self, address: int, size: int) -> Any:
+        """Create `size` bytes of device memory and map them at `address`; returns the handle."""
+        cu = self.cu
+        handle = check("cuMemCreate", cu.cuMemCreate(size, self.prop, 0))
+        try:
+            check("cuMemMap", cu.cuMemMap(address, size, 0, handle, 0))
+        except CudaDriverError:
+            cu.cuMemRelease(handle)
+            raise
+        try:
+            check("cuMemSetAccess", cu.cuMemSetAccess(address, size, [self.access], 1))
+        except CudaDriverError:
+            cu.cuMemUnmap(address, size)
+            cu.cuMemRelease(handle)
+            raise
+        return handle
+
+    def unmap(self, address: int, size: int, handle: Any) -> None:
+        check("cuMemUnmap", self.cu.cuMemUnmap(address, size))
+        check("cuMemRelease", self.cu.cuMemRelease(handle))
+
+
+def host_alloc_pinned(size: int) -> int:
+    """Page-locked host memory of exactly `size` bytes (the caching host allocator would round
+    up to a power of two)."""
+    return int(check("cuMemHostAlloc", driver().cuMemHostAlloc(size, 0)))
+
+
+def host_free_pinned(ptr: int) -> None:
+    check("cuMemFreeHost", driver().cuMemFreeHost(ptr))
+
+
+def copy_d2h(dst: int, src: int, size: int, stream: int) -> None:
+    check("cuMemcpyDtoHAsync", driver().cuMemcpyDtoHAsync(dst, src, size, stream))
+
+
+def copy_h2d(dst: int, src: int, size: int, stream: int) -> None:
+    check("cuMemcpyHtoDAsync", driver().cuMemcpyHtoDAsync(dst, src, size, stream))
+
+
+def memset_zero(dst: int, size: int, stream: int) -> None:
+    check("cuMemsetD8Async", driver().cuMemsetD8Async(dst, 0, size, stream))
+
+
+def stream_synchronize(stream: int) -> None:
+    check("cuStreamSynchronize", driver().cuStreamSynchronize(stream))

@@ -1,0 +1,232 @@
+"""`MemoryManager`: tagged, address-stable memory that sleeps and wakes."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from torpor.memory.host_buffer import HOST_BACKUPS
+from torpor.memory.types import (
+    Action,
+    AuditReport,
+    LateAllocation,
+    Report,
+    TagAsleepError,
+    TagState,
+    TagUsage,
+)
+
+
+class MemoryManager:
+    """Tagged memory on one device (`"cuda:N"` or `"cpu"`) that can sleep and wake.
+
+    Tensors allocated inside `with mm.tag(name):` live in that tag's memory. `sleep` releases
+    the memory of the tags it names (offload: copy to host first; discard: no copy), `wake`
+    brings it back at the same addresses. Several managers may exist per process and per
+    device; each is thread-safe.
+
+    Args:
+        device: "cuda", "cuda:N" or "cpu".
+        host_backup: "pinned" (fast, reused page-locked buffers) or "pageable" (no pinned
+            memory; slower copies). CUDA only.
+        max_host_bytes: cap on the host memory held for offloaded copies; a sleep that would
+            exceed it raises HostMemoryError and leaves everything awake.
+        backup_dir: CPU only: where offloaded bytes are written (default: the temp directory).
+    """
+
+    def __init__(self, device: str | torch.device = "cuda", *, host_backup: str = "pinned",
+                 max_host_bytes: int | None = None, backup_dir: str | None = None) -> None:
+        device = torch.device(device)
+        if host_backup not in HOST_BACKUPS:
+            raise ValueError(f"host_backup must be one of {HOST_BACKUPS}, got {host_backup!r}")
+        self._lock = threading.RLock()  # serializes sleep, wake and tag-state changes
+        self._local = threading.local()  # per thread: stack of active tag names
+        self._states: dict[str, TagState] = {}
+        self._actions: dict[str, Action] = {}  # action of the last sleep of each asleep tag
+        self._active = Counter()  # tag -> number of open scopes, all threads
+        self._sealed: set[str] = set()
+        self._late: list[LateAllocation] = []
+        if device.type == "cuda":
+            from torpor.memory.cuda_backend import CudaBackend
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            self._backend = CudaBackend(index, host_backup, max_host_bytes, self._on_new_segment)
+        elif device.type == "cpu":
+            from torpor.memory.host_backend import HostBackend
+
+            self.device = device
+            self._backend = HostBackend(max_host_bytes, backup_dir, on_new_segment=self._on_new_segment)
+        else:
+            raise ValueError(f"unsupported device {device}; torpor.memory supports 'cuda' and 'cpu'")
+
+    def __repr__(self) -> str:
+        return f"MemoryManager({str(self.device)!r}, tags={sorted(self._states)})"
+
+    # ---- scopes ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tag(self, name: str) -> Iterator[None]:
+        """Allocate everything created in this scope (this thread) in tag `name`. Scopes nest;
+        the innermost tag wins. Entering the scope of a sleeping tag raises TagAsleepError."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tag name must be a non-empty string, got {name!r}")
+        with self._lock:
+            if name not in self._states:
+                self._backend.create_tag(name)
+                self._states[name] = TagState.AWAKE
+            if self._states[name] is TagState.ASLEEP:
+                raise TagAsleepError(f"tag {name!r} is asleep: wake it before allocating in it")
+            self._active[name] += 1
+        stack = self._stack()
+        parent = stack[-1] if stack else None
+        watch = self._watch(name)
+        self._backend.enter_scope(name, parent)
+        stack.append(name)
+        try:
+            yield
+        finally:
+            stack.pop()
+            self._backend.exit_scope(name, parent)
+            with self._lock:
+                self._active[name] -= 1
+            if watch is not None:
+                self._record_growth(name, *watch)
+
+    def pool_id(self, name: str) -> tuple[int, int]:
+        """CUDA: the tag's memory-pool id, for `torch.cuda.graph(g, pool=mm.pool_id("cuda_graph"))`
+        so a graph's private memory lives in the tag. The tag is created if new."""
+        if self.device.type != "cuda":
+            raise ValueError("pool_id exists only for CUDA managers")
+        with self._lock:
+            if name not in self._states:
+                self._backend.create_tag(name)
+                self._states[name] = TagState.AWAKE
+            return self._backend.pool_id(name)
+
+    def _stack(self) -> list[str]:
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
+
+    # ---- sleep / wake ------------------------------------------------------------------
+    def sleep(self, actions: Mapping[str, str | Action]) -> Report:
+        """Put the named tags to sleep: `{"weights": "offload", "kv_cache": "discard"}`.
+
+        Tags not named stay awake; `keep` keeps a tag awake; a tag already asleep is left as it
+        is, except that `discard` on an offloaded tag drops its host copy. All or nothing: if
+        host memory for the copies is missing, HostMemoryError is raised and every tag stays
+        awake."""
+        plan = {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
+        start = time.perf_counter()
+        with self._lock, self._on_device():
+            busy = [t for t in plan if self._active[t] and plan[t] is not Action.KEEP]
+            if busy:
+                raise RuntimeError(f"cannot sleep tags {busy}: a `tag` scope is open on them")
+            todo = {t: a for t, a in plan.items() if a is not Action.KEEP and self._states[t] is TagState.AWAKE}
+            for tag, action in plan.items():
+                if (action is Action.DISCARD and self._states[tag] is TagState.ASLEEP
+                        and self._actions[tag] is Action.OFFLOAD):
+                    self._backend.drop_copies(tag)
+                    self._actions[tag] = Action.DISCARD
+            reports = self._backend.sleep(todo) if todo else []
+            for tag, action in todo.items():
+                self._states[tag] = TagState.ASLEEP
+                self._actions[tag] = action
+        return Report("sleep", tuple(reports), time.perf_counter() - start)
+
+    def wake(self, tags: Iterable[str] | None = None) -> Report:
+        """Wake the named tags (all sleeping tags when None). Offloaded memory comes back
+        byte-identical, discarded memory zero-filled, both at the same addresses. If the device
+        has no room, WakeError is raised, nothing stays half-mapped and the call can be retried."""
+        start = time.perf_counter()
+        with self._lock, self._on_device():
+            names = list(self._states) if tags is None else [self._check_tag(t) for t in tags]
+            plan = {t: self._actions[t] for t in names if self._states[t] is TagState.ASLEEP}
+            reports = self._backend.wake(plan) if plan else []
+            for tag in plan:
+                self._states[tag] = TagState.AWAKE
+                del self._actions[tag]
+        return Report("wake", tuple(reports), time.perf_counter() - start)
+
+    def is_sleeping(self, tag: str | None = None) -> bool:
+        """Whether `tag` sleeps; with no tag, whether any tag sleeps."""
+        with self._lock:
+            if tag is None:
+                return any(s is TagState.ASLEEP for s in self._states.values())
+            return self._states[self._check_tag(tag)] is TagState.ASLEEP
+
+    def _check_tag(self, tag: str) -> str:
+        if tag not in self._states:
+            known = ", ".join(sorted(self._states)) or "none yet"
+            raise ValueError(f"unknown tag {tag!r} (known tags: {known})")
+        return tag
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    # ---- readings ----------------------------------------------------------------------
+    def tags(self) -> list[str]:
+        with self._lock:
+            return list(self._states)
+
+    def usage(self) -> dict[str, TagUsage]:
+        """Per tag: state, reserved / resident / offloaded / discarded / allocated bytes."""
+        allocated, _ = self._backend.allocated_bytes()
+        with self._lock:
+            return {tag: self._usage_of(tag, allocated.get(tag, 0)) for tag in self._states}
+
+    def _usage_of(self, tag: str, allocated: int) -> TagUsage:
+        segs = self._backend.of_tag(tag)
+        reserved = sum(s.size for s in segs)
+        resident = sum(s.size for s in segs if s.resident)
+        offloaded = sum(s.size for s in segs if not s.resident and s.holds_copy)
+        backup = sum(self._backend.backup_size(s) for s in segs if s.backup is not None)
+        return TagUsage(tag, self._states[tag], reserved, resident, offloaded,
+                        reserved - resident - offloaded, allocated, backup, len(segs), tag in self._sealed)
+
+    def device_used_bytes(self) -> int:
+        """Device memory in use on the manager's device (CPU: this process's RSS)."""
+        return self._backend.device_used_bytes()
+
+    # ---- audit -------------------------------------------------------------------------
+    def seal(self, tag: str) -> None:
+        """Declare `tag` complete: any later allocation into it is reported by `audit()` with the
+        Python stack that made it."""
+        with self._lock:
+            self._sealed.add(self._check_tag(tag))
+
+    def audit(self) -> AuditReport:
+        """Memory outside every tag, and allocations made into sealed tags."""
+        allocated, untagged = self._backend.allocated_bytes()
+        used = self._backend.device_used_bytes()
+        with self._lock:
+            tagged = sum(s.size for s in self._backend.segments.values() if s.resident)
+            late = tuple(self._late)
+        other = None if used is None else max(used - tagged - untagged, 0)
+        return AuditReport(used, tagged, untagged, other, late)
+
+    def _watch(self, tag: str) -> tuple[int, str] | None:
+        if tag not in self._sealed:
+            return None
+        allocated, _ = self._backend.allocated_bytes()
+        return allocated.get(tag, 0), "".join(traceback.format_stack(limit=12)[:-3])
+
+    def _record_growth(self, tag: str, before: int, where: str) -> None:
+        allocated, _ = self._backend.allocated_bytes()
+        grown = allocated.get(tag, 0) - before
+        if grown > 0:
+            with self._lock:
+                self._late.append(LateAllocation(tag, grown, where))
+
+    def _on_new_segment(self, tag: str, size: int) -> None:
+        """Backend hook: a new segment was made in `tag` outside this thread's scope of it
+        (e.g. a CUDA graph capturing into the tag's pool) after the tag was sealed."""
+        if tag in self._sealed and tag not in self._stack():
+            where = "".join(traceback.format_stack(limit=12)[:-3])
+            self._late.append(LateAllocation(tag, size, where))

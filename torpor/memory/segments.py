@@ -1,0 +1,198 @@
+"""Segment bookkeeping and the sleep/wake algorithm shared by the CUDA and host backends.
+
+A *segment* is one address range the backend handed out (a CUDA caching-allocator segment, or
+one mmap chunk of a host arena). Sleep and wake work segment by segment; addresses never change.
+A backend subclasses `SegmentStore` and supplies the device primitives (`_reserve_backups`,
+`_copy_out`, `_release`, `_map`, `_fill`). The algorithm here owns the guarantees:
+
+- sleep gets every host copy it needs *before* it releases anything, so a failure leaves the
+  whole plan awake; it synchronizes the device before copying and unmapping;
+- wake maps segment by segment and, if the device has no memory left, releases what it mapped,
+  keeps every host copy and raises `WakeError`, so the call can be retried.
+
+Locking: `self.lock` guards the segment table. Allocation callbacks run under the framework's
+allocator lock and take `self.lock`; sleep and wake hold `self.lock` only around driver calls,
+never around a call into the framework's allocator, so the lock order is always
+allocator lock -> self.lock and cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from torpor.memory.types import Action, HostMemoryError, TagReport, WakeError
+
+
+@dataclass(eq=False)
+class Segment:
+    address: int
+    size: int  # bytes mapped for it (a multiple of the backend's granularity)
+    tag: str
+    resident: bool = True  # backed by device memory now
+    holds_copy: bool = False  # `backup` has this segment's bytes (asleep after an offload)
+    backup: object | None = None  # backend host buffer, kept and reused across cycles
+    used: int = 0  # bytes worth copying, from the start (host arenas); 0 = the whole segment
+
+    @property
+    def copy_bytes(self) -> int:
+        return self.used or self.size
+
+
+class DeviceOutOfMemory(Exception):  # noqa: N818 - internal signal from `_map`
+    """Raised by `_map` when the device has no memory for a segment."""
+
+
+class SegmentStore(ABC):
+    """Per-tag segment tables and the generic, all-or-nothing sleep/wake algorithm."""
+
+    def __init__(self, max_host_bytes: int | None = None) -> None:
+        self.lock = threading.RLock()
+        self.segments: dict[int, Segment] = {}
+        self.max_host_bytes = max_host_bytes
+        self.asleep: set[str] = set()  # tags whose segments are released; their pools must not grow
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def add(self, segment: Segment) -> None:
+        with self.lock:
+            self.segments[segment.address] = segment
+
+    def pop(self, address: int) -> Segment | None:
+        with self.lock:
+            return self.segments.pop(address, None)
+
+    def of_tag(self, tag: str) -> list[Segment]:
+        with self.lock:
+            return [s for s in self.segments.values() if s.tag == tag]
+
+    def host_backup_bytes(self) -> int:
+        with self.lock:
+            return sum(self.backup_size(s) for s in self.segments.values() if s.backup is not None)
+
+    def find(self, address: int) -> Segment | None:
+        """The segment that contains `address`, if any."""
+        with self.lock:
+            for seg in self.segments.values():
+                if seg.address <= address < seg.address + seg.size:
+                    return seg
+        return None
+
+    # ---- the algorithm -----------------------------------------------------------------
+    def sleep(self, plan: dict[str, Action]) -> list[TagReport]:
+        """Release every segment of the tags in `plan` (offload or discard). All or nothing."""
+        with self.lock:
+            by_tag = {tag: [s for s in self.of_tag(tag) if s.resident] for tag in plan}
+            offload = [s for tag, segs in by_tag.items() if plan[tag] is Action.OFFLOAD for s in segs]
+            self._check_host_budget(offload)
+            self._reserve_backups(offload)  # raises HostMemoryError; nothing released yet
+            self._synchronize()
+            self._copy_out(offload)
+            reports = []
+            for tag in (t for t, a in plan.items() if a is Action.DISCARD):
+                self.drop_copies(tag)  # a discarding sleep also gives back old host copies
+            for tag, segs in by_tag.items():
+                for seg in segs:
+                    self._release(seg)
+                    seg.resident = False
+                    seg.holds_copy = plan[tag] is Action.OFFLOAD
+                released = sum(s.size for s in segs)
+                copied = sum(s.copy_bytes for s in segs) if plan[tag] is Action.OFFLOAD else 0
+                reports.append(TagReport(tag, plan[tag], bytes_copied=copied, bytes_released=released))
+            self.asleep.update(plan)
+            return reports
+
+    def wake(self, plan: dict[str, Action]) -> list[TagReport]:
+        """Map the segments of the tags in `plan` again and restore (offload) or zero (discard)
+        their contents. On device OOM: roll back, keep host copies, raise WakeError."""
+        with self.lock:
+            segs = [s for tag in plan for s in self.of_tag(tag) if not s.resident]
+            mapped: list[Segment] = []
+            try:
+                for seg in segs:  # map one, then queue its copy: copies overlap later maps
+                    self._map(seg)
+                    mapped.append(seg)
+                    self._fill(seg)
+                self._finish_fills()
+            except DeviceOutOfMemory as exc:
+                self._finish_fills()
+                for seg in mapped:
+                    self._release(seg)
+                need = sum(s.size for s in segs)
+                raise WakeError(
+                    f"wake of {sorted(plan)} needs {need / 2**20:.0f} MiB of device memory but the device "
+                    f"ran out after {len(mapped)} of {len(segs)} segments ({exc}); nothing was lost: "
+                    "host copies are kept and the call can be retried once memory is free") from None
+            reports = [self._wake_report(tag, plan[tag], [s for s in segs if s.tag == tag]) for tag in plan]
+            for seg in segs:
+                seg.resident = True
+                seg.holds_copy = False
+            self.asleep.difference_update(plan)
+            return reports
+
+    def drop_copies(self, tag: str) -> int:
+        """Forget the host copy of a sleeping tag (it becomes discarded); returns bytes freed."""
+        with self.lock:
+            freed = 0
+            for seg in self.of_tag(tag):
+                if seg.backup is not None:
+                    freed += self.backup_size(seg)
+                    self._free_backup(seg)
+                    seg.backup = None
+                seg.holds_copy = False
+            return freed
+
+    @staticmethod
+    def _wake_report(tag: str, action: Action, segs: list[Segment]) -> TagReport:
+        mapped = sum(s.size for s in segs)
+        copied = sum(s.copy_bytes for s in segs if s.holds_copy)
+        zeroed = sum(s.size for s in segs if not s.holds_copy)
+        return TagReport(tag, action, bytes_copied=copied, bytes_mapped=mapped, bytes_zeroed=zeroed)
+
+    def _check_host_budget(self, offload: list[Segment]) -> None:
+        if self.max_host_bytes is None:
+            return
+        new = sum(s.size for s in offload if s.backup is None)
+        held = self.host_backup_bytes()
+        if held + new > self.max_host_bytes:
+            raise HostMemoryError(
+                f"offload needs {new / 2**20:.0f} MiB more host memory; {held / 2**20:.0f} MiB are held "
+                f"and max_host_bytes is {self.max_host_bytes / 2**20:.0f} MiB; nothing was released")
+
+    # ---- device primitives -------------------------------------------------------------
+    @abstractmethod
+    def _reserve_backups(self, segments: list[Segment]) -> None:
+        """Give every segment a host buffer of its size, or raise HostMemoryError having
+        freed the buffers this call made."""
+
+    @abstractmethod
+    def backup_size(self, segment: Segment) -> int:
+        """Host bytes held by the segment's backup."""
+
+    @abstractmethod
+    def _free_backup(self, segment: Segment) -> None: ...
+
+    @abstractmethod
+    def _synchronize(self) -> None:
+        """Wait for all work on the device that may touch the segments."""
+
+    @abstractmethod
+    def _copy_out(self, segments: list[Segment]) -> None:
+        """Copy each segment into its backup and wait for the copies."""
+
+    @abstractmethod
+    def _release(self, segment: Segment) -> None:
+        """Give the segment's physical memory back; the address range stays reserved."""
+
+    @abstractmethod
+    def _map(self, segment: Segment) -> None:
+        """Back the segment's address range with fresh memory, or raise DeviceOutOfMemory."""
+
+    @abstractmethod
+    def _fill(self, segment: Segment) -> None:
+        """Queue the restore of a freshly mapped segment: its host copy if it holds one,
+        else zeros."""
+
+    @abstractmethod
+    def _finish_fills(self) -> None:
+        """Wait for the queued restores."""
