@@ -57,7 +57,8 @@ class Sampler:
     def __init__(self, max_num_seqs: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         # Rows: temperature, top_p, top_k, random bits (all exact in float64). One host->device
-        # copy per step; the host side is pinned on CUDA so the copy is asynchronous.
+        # copy per step; the host side is pinned on CUDA so the copy is asynchronous (reusing it
+        # next step is safe: each call ends by syncing on the token ids).
         self._inputs = torch.zeros(4, max_num_seqs, dtype=torch.float64, device=self.device)
         self._staging = torch.zeros(4, max_num_seqs, dtype=torch.float64,
                                     pin_memory=self.device.type == "cuda")
@@ -74,14 +75,17 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)                                   # [num_seqs]
         if not all(p.is_greedy for p in params):
             sampled = self._sample(logits, seqs)
-            is_greedy = torch.tensor([p.is_greedy for p in params]).to(self.device, non_blocking=True)
+            is_greedy = torch.tensor([p.is_greedy for p in params]).to(logits.device, non_blocking=True)
             token_ids = torch.where(is_greedy, token_ids, sampled)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: list[TokenLogprobs | None] = [None] * num_seqs
         if logprob_rows:
-            rows = torch.tensor(logprob_rows).to(self.device, non_blocking=True)
-            dicts = _logprob_dicts(logits.index_select(0, rows), token_ids.index_select(0, rows),
-                                   [params[i].logprobs for i in logprob_rows])
+            num_top = [params[i].logprobs for i in logprob_rows]
+            if len(logprob_rows) == num_seqs:
+                dicts = _logprob_dicts(logits, token_ids, num_top)
+            else:
+                rows = torch.tensor(logprob_rows).to(logits.device, non_blocking=True)
+                dicts = _logprob_dicts(logits.index_select(0, rows), token_ids.index_select(0, rows), num_top)
             for i, d in zip(logprob_rows, dicts, strict=True):
                 logprobs[i] = d
         return SamplerOutput(token_ids.tolist(), logprobs)
@@ -113,7 +117,8 @@ class Sampler:
             # Stable sort: ties keep token-id order, so top-k cuts are deterministic.
             probs, order = probs.sort(dim=-1, descending=True, stable=True)
         # Exact fixed-point weights: scaling by a power of two, then truncation.
-        weights = (probs.double() * _PROB_SCALE).long()                   # [num_seqs, vocab]
+        weights = probs.mul_(_PROB_SCALE).long()  # [num_seqs, vocab]
+        del probs
         if needs_filter:
             top_k, top_p = inputs[2].long(), inputs[1]
             ranks = torch.arange(vocab_size, device=logits.device)
@@ -127,6 +132,7 @@ class Sampler:
         # target < total, so the first cdf entry above it is a token with positive weight.
         target = (cdf[:, -1] * inputs[3].long()) >> _RANDOM_BITS             # [num_seqs]
         picked = torch.searchsorted(cdf, target[:, None], right=True)       # [num_seqs, 1]
+        picked.clamp_(max=vocab_size - 1)  # only NaN logits could push it past the end
         if needs_filter:
             picked = order.gather(1, picked)
         return picked.squeeze(1)
@@ -137,9 +143,12 @@ def _logprob_dicts(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[
     logprobs = torch.log_softmax(logits.float(), dim=-1)                   # [rows, vocab]
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)             # [rows]
     max_top = max(num_top)
-    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (chosen[:, :0], token_ids[:, :0])
+    top_ids_host: list[list[int]] = [[] for _ in num_top]
+    top_values_host: list[list[float]] = [[] for _ in num_top]
+    if max_top:
+        top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [rows, max_top], sorted
+        top_ids_host, top_values_host = top_ids.tolist(), top_values.tolist()
     chosen_ids, chosen_lp = token_ids.tolist(), chosen.tolist()
-    top_ids_host, top_values_host = top_ids.tolist(), top_values.tolist()
     dicts = []
     for i, k in enumerate(num_top):
         d = {chosen_ids[i]: chosen_lp[i]}

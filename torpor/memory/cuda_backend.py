@@ -85,6 +85,11 @@ class CudaBackend(SegmentStore):
             ctypes.cast(alloc, ctypes.c_void_p).value, ctypes.cast(free, ctypes.c_void_p).value)
         self.pools[tag] = torch.cuda.MemPool(allocator)
 
+    def close(self) -> None:
+        """Drop the pools. PyTorch then returns their segments through `free` once their tensors
+        are gone and `torch.cuda.empty_cache()` runs; the callbacks keep this object alive."""
+        self.pools.clear()
+
     def pool_id(self, tag: str) -> tuple[int, int]:
         return self.pools[tag].id
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,16 +84,26 @@ class HostArena:
         self.store = store  # the HostBackend (SegmentStore) that owns the chunks
         self.chunk_bytes = chunk_bytes
         self._released: deque[tuple[HostChunk, int]] = deque()
+        self._busy = threading.local()  # set while this thread is inside an arena operation
 
     def allocate(self, tag: str, nbytes: int) -> ctypes.Array:
         """A block of at least `nbytes` in `tag`'s memory, as a ctypes array at its address."""
         nbytes = _round(max(nbytes, 1), ALIGN)
         with self.store.lock:
-            self.drain()
-            chunk, offset = self._place(tag, nbytes)
+            self._busy.on = True
+            try:
+                self.drain()
+                chunk, offset = self._place(tag, nbytes)
+            finally:
+                self._busy.on = False
             block = (ctypes.c_char * nbytes).from_address(chunk.address + offset)
-        weakref.finalize(block, self._released.append, (chunk, offset))
+        weakref.finalize(block, self._release, chunk, offset)
         return block
+
+    def _release(self, chunk: HostChunk, offset: int) -> None:
+        self._released.append((chunk, offset))
+        if not getattr(self._busy, "on", False):
+            self.drain()
 
     def _place(self, tag: str, nbytes: int) -> tuple[HostChunk, int]:
         if nbytes < self.chunk_bytes // 2:
@@ -111,6 +122,8 @@ class HostArena:
 
     def drain(self) -> None:
         """Apply queued block releases; unmap chunks left empty."""
+        if getattr(self._busy, "on", False) and not self._released:
+            return
         with self.store.lock:
             while self._released:
                 chunk, offset = self._released.popleft()

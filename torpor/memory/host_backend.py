@@ -58,6 +58,9 @@ class HostBackend(SegmentStore):
     def create_tag(self, tag: str) -> None:
         pass  # a tag's chunks are made on its first allocation
 
+    def close(self) -> None:
+        """Nothing to drop: chunks are unmapped when their last tensor dies."""
+
     def current_tag(self) -> str | None:
         stack = getattr(self._local, "tags", None)
         return stack[-1] if stack else None

@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 import traceback
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -52,19 +53,30 @@ class MemoryManager:
         self._active = Counter()  # tag -> number of open scopes, all threads
         self._sealed: set[str] = set()
         self._late: list[LateAllocation] = []
+        hook = _weak_hook(self)  # backends must not keep the manager alive
         if device.type == "cuda":
             from torpor.memory.cuda_backend import CudaBackend
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
-            self._backend = CudaBackend(index, host_backup, max_host_bytes, self._on_new_segment)
+            self._backend = CudaBackend(index, host_backup, max_host_bytes, hook)
         elif device.type == "cpu":
             from torpor.memory.host_backend import HostBackend
 
             self.device = device
-            self._backend = HostBackend(max_host_bytes, backup_dir, on_new_segment=self._on_new_segment)
+            self._backend = HostBackend(max_host_bytes, backup_dir, on_new_segment=hook)
         else:
             raise ValueError(f"unsupported device {device}; torpor.memory supports 'cuda' and 'cpu'")
+
+    def close(self) -> None:
+        """Let go of the tags' pools. Their memory returns to the device once their tensors are
+        gone (CUDA: and `torch.cuda.empty_cache()` ran). Also done when the manager is collected."""
+        backend = getattr(self, "_backend", None)
+        if backend is not None:
+            backend.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"MemoryManager({str(self.device)!r}, tags={sorted(self._states)})"
@@ -203,7 +215,7 @@ class MemoryManager:
 
     def audit(self) -> AuditReport:
         """Memory outside every tag, and allocations made into sealed tags."""
-        allocated, untagged = self._backend.allocated_bytes()
+        _, untagged = self._backend.allocated_bytes()
         used = self._backend.device_used_bytes()
         with self._lock:
             tagged = sum(s.size for s in self._backend.segments.values() if s.resident)
@@ -230,3 +242,14 @@ class MemoryManager:
         if tag in self._sealed and tag not in self._stack():
             where = "".join(traceback.format_stack(limit=12)[:-3])
             self._late.append(LateAllocation(tag, size, where))
+
+
+def _weak_hook(manager: MemoryManager):
+    ref = weakref.ref(manager)
+
+    def hook(tag: str, size: int) -> None:
+        target = ref()
+        if target is not None:
+            target._on_new_segment(tag, size)
+
+    return hook

@@ -40,7 +40,7 @@ class Segment:
         return self.used or self.size
 
 
-class DeviceOutOfMemory(Exception):  # noqa: N818 - internal signal from `_map`
+class DeviceOutOfMemory(Exception):
     """Raised by `_map` when the device has no memory for a segment."""
 
 

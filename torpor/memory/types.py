@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     """What sleep does with a tag's memory."""
 
     OFFLOAD = "offload"  # copy to host, release device memory, copy back on wake
@@ -22,7 +22,7 @@ class Action(str, Enum):
             raise ValueError(f"unknown sleep action {value!r}; expected one of: {names}") from None
 
 
-class TagState(str, Enum):
+class TagState(StrEnum):
     AWAKE = "awake"
     ASLEEP = "asleep"
 

@@ -25,7 +25,8 @@ class AttentionBackend(Protocol):
     """Computes attention once the new K/V are in the paged cache (the layer writes them first).
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (the new tokens);
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]. Returns [num_tokens, num_heads, head_dim].
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim].
     """
 
     def forward(

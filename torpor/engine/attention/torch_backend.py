@@ -44,7 +44,10 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not k_cache.numel():
+            raise ValueError("decode attention needs a KV cache")
         num_seqs, num_heads, head_dim = q.shape
+        dtype = q.dtype
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         max_context_len = metadata.max_context_len or int(metadata.context_lens.max())
         block_tables = metadata.block_tables[:, : -(-max_context_len // block_size)]
@@ -57,7 +60,7 @@ class TorchAttentionBackend:
         beyond = positions[None, :] >= metadata.context_lens[:, None]  # [seqs, ctx]
         scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
         out = torch.einsum("skgl,slkd->skgd", scores.softmax(dim=-1), values)
-        return out.reshape(num_seqs, num_heads, head_dim).to(k_cache.dtype)
+        return out.reshape(num_seqs, num_heads, head_dim).to(dtype)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

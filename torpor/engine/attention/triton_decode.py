@@ -26,13 +26,32 @@ _SUPPORTED_DTYPES = tuple(_TL_DTYPES)
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr, lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    partial_out_ptr,
+    lse_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
-    q_stride_seq, q_stride_head, cache_stride_block, cache_stride_token, cache_stride_head,
-    bt_stride_seq, out_stride_seq, out_stride_head,
-    NUM_Q_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_stride_seq,
+    q_stride_head,
+    cache_stride_block,
+    cache_stride_token,
+    cache_stride_head,
+    bt_stride_seq,
+    out_stride_seq,
+    out_stride_head,
+    NUM_Q_HEADS: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -48,8 +67,11 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     head_mask = offs_h < QUERIES_PER_KV  # BLOCK_H pads the group up to a tl.dot-friendly size
     q_heads = kv_head * QUERIES_PER_KV + offs_h
-    q = tl.load(q_ptr + seq * q_stride_seq + q_heads[:, None] * q_stride_head + offs_d[None, :],
-                mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
+    q = tl.load(
+        q_ptr + seq * q_stride_seq + q_heads[:, None] * q_stride_head + offs_d[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
 
     row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -61,8 +83,12 @@ def _decode_split_kernel(
         blocks = tl.load(block_table + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
         # [BLOCK_N, HEAD_DIM] element offsets of these tokens' K (and V: the caches share strides)
         in_block = tokens % BLOCK_SIZE
-        kv_offsets = (blocks[:, None] * cache_stride_block + in_block[:, None] * cache_stride_token
-                      + kv_head * cache_stride_head + offs_d[None, :])
+        kv_offsets = (
+            blocks[:, None] * cache_stride_block
+            + in_block[:, None] * cache_stride_token
+            + kv_head * cache_stride_head
+            + offs_d[None, :]
+        )
         k = tl.load(k_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
@@ -77,20 +103,31 @@ def _decode_split_kernel(
 
     normalized = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # empty split: zeros, not NaN
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * out_stride_seq + q_heads[:, None] * out_stride_head + offs_d[None, :],
-                 normalized.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(
+            out_ptr + seq * out_stride_seq + q_heads[:, None] * out_stride_head + offs_d[None, :],
+            normalized.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
     else:
         rows = (seq * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [BLOCK_H] rows of the workspace
-        tl.store(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], normalized,
-                 mask=head_mask[:, None])
+        tl.store(
+            partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], normalized, mask=head_mask[:, None]
+        )
         # A non-empty split has row_sum >= 1; an empty one has row_max = -inf, hence lse = -inf.
         tl.store(lse_ptr + rows, row_max + tl.log2(tl.maximum(row_sum, 1.0)), mask=head_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    partial_out_ptr, lse_ptr, out_ptr, out_stride_seq, out_stride_head,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    partial_out_ptr,
+    lse_ptr,
+    out_ptr,
+    out_stride_seq,
+    out_stride_head,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -127,8 +164,9 @@ def _num_sms(device: torch.device) -> int:
     return 4  # Triton interpreter on CPU: a small grid keeps it fast
 
 
-def num_decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                      device: torch.device) -> int:
+def num_decode_splits(
+    num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+) -> int:
     """Splits per sequence so the phase-1 grid fills the device; from static quantities only."""
     max_useful = triton.cdiv(max_blocks_per_seq * block_size, _MIN_SPLIT_TOKENS)
     wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(torch.device(device)), num_seqs * num_kv_heads)
@@ -140,21 +178,42 @@ def _workspace_numel(num_seqs: int, num_q_heads: int, head_dim: int, num_splits:
     return 0 if num_splits == 1 else num_seqs * num_q_heads * num_splits * (head_dim + 1)
 
 
-def decode_workspace_shape(max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           max_blocks_per_seq: int, block_size: int, device: torch.device) -> tuple[int]:
+def decode_workspace_shape(
+    max_num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    device: torch.device,
+) -> tuple[int]:
     """Shape of a flat fp32 workspace serving every batch size from 1 to max_num_seqs."""
-    return (max(
-        _workspace_numel(n, num_q_heads, head_dim,
-                         num_decode_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device))
-        for n in range(1, max_num_seqs + 1)
-    ),)
+    return (
+        max(
+            _workspace_numel(
+                n,
+                num_q_heads,
+                head_dim,
+                num_decode_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device),
+            )
+            for n in range(1, max_num_seqs + 1)
+        ),
+    )
 
 
-def alloc_decode_workspace(max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           max_blocks_per_seq: int, block_size: int, device: torch.device) -> torch.Tensor:
+def alloc_decode_workspace(
+    max_num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    device: torch.device,
+) -> torch.Tensor:
     """Allocate the decode workspace (call inside the model runner's workspace memory scope)."""
-    shape = decode_workspace_shape(max_num_seqs, num_q_heads, num_kv_heads, head_dim,
-                                   max_blocks_per_seq, block_size, device)
+    shape = decode_workspace_shape(
+        max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, device
+    )
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
@@ -167,8 +226,10 @@ def _get_workspace(workspace: torch.Tensor | None, numel: int, device: torch.dev
         workspace = _cached_workspaces.get((device, numel))
         if workspace is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("paged_decode_attention: no workspace while capturing a CUDA graph; pass "
-                                   "workspace=alloc_decode_workspace(...) or run this shape eagerly first")
+                raise RuntimeError(
+                    "paged_decode_attention: no workspace while capturing a CUDA graph; pass "
+                    "workspace=alloc_decode_workspace(...) or run this shape eagerly first"
+                )
             workspace = torch.empty(numel, dtype=torch.float32, device=device)
             _cached_workspaces[(device, numel)] = workspace
     if workspace.dtype != torch.float32 or workspace.device != device or not workspace.is_contiguous():
@@ -180,30 +241,48 @@ def _get_workspace(workspace: torch.Tensor | None, numel: int, device: torch.dev
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
     if q.dim() != 3 or out.shape != q.shape:
-        raise ValueError(f"q and out must both be [num_seqs, num_q_heads, head_dim], "
-                         f"got {tuple(q.shape)}, {tuple(out.shape)}")
+        raise ValueError(
+            f"q and out must both be [num_seqs, num_q_heads, head_dim], "
+            f"got {tuple(q.shape)}, {tuple(out.shape)}"
+        )
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] "
-                         f"with equal strides, got {tuple(k_cache.shape)} {k_cache.stride()}, "
-                         f"{tuple(v_cache.shape)} {v_cache.stride()}")
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] "
+            f"with equal strides, got {tuple(k_cache.shape)} {k_cache.stride()}, "
+            f"{tuple(v_cache.shape)} {v_cache.stride()}"
+        )
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if q.dtype not in _SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache must share one of {_SUPPORTED_DTYPES}, "
-                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"q, k_cache, v_cache must share one of {_SUPPORTED_DTYPES}, "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if k_cache.shape[3] != head_dim or head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256] shared by q and the caches, "
-                         f"got q {head_dim}, cache {k_cache.shape[3]}")
+        raise ValueError(
+            f"head_dim must be a power of two in [16, 256] shared by q and the caches, "
+            f"got q {head_dim}, cache {k_cache.shape[3]}"
+        )
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks_per_seq], "
-                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks_per_seq], "
+            f"got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     if context_lens.dtype != torch.int32 or context_lens.shape != (num_seqs,):
-        raise ValueError(f"context_lens must be int32 [num_seqs={num_seqs}], "
-                         f"got {context_lens.dtype} {tuple(context_lens.shape)}")
-    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_tables", block_tables), ("context_lens", context_lens)):
+        raise ValueError(
+            f"context_lens must be int32 [num_seqs={num_seqs}], "
+            f"got {context_lens.dtype} {tuple(context_lens.shape)}"
+        )
+    for name, t in (
+        ("q", q),
+        ("out", out),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("context_lens", context_lens),
+    ):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
         if t.device != q.device:
@@ -248,19 +327,43 @@ def paged_decode_attention(
     # bits as integers, so off-GPU the operands are upcast to fp32 first.
     dot_dtype = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, partial_out, lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        partial_out,
+        lse,
         scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, BLOCK_H=max(16, triton.next_power_of_2(queries_per_kv)),
-        DOT_DTYPE=dot_dtype, **_launch_config(head_dim, q.dtype),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(queries_per_kv)),
+        DOT_DTYPE=dot_dtype,
+        **_launch_config(head_dim, q.dtype),
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            partial_out, lse, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            partial_out,
+            lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
         )
     return out

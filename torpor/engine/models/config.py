@@ -79,7 +79,9 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         num_kv_heads = d.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only 'silu')")
         if d.get("use_sliding_window"):
@@ -118,7 +120,8 @@ def _architecture(d: dict[str, Any]) -> str:
     if len(archs) != 1:
         raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
     if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {supported}")
     return archs[0]
 
 

@@ -17,10 +17,13 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
     # `factor`, short ones (below original context / high_freq_factor) kept, the band between blended.
     wavelen = 2 * math.pi / inv_freq
     old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
+    low_freq_wavelen, high_freq_wavelen = (
+        old_len / scaling.low_freq_factor,
+        old_len / scaling.high_freq_factor,
+    )
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (old_len / wavelen - low) / (high - low)
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, blended, scaled)

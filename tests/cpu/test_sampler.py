@@ -1,0 +1,129 @@
+import pytest
+import torch
+
+from torpor.engine.sampler import Sampler, compute_prompt_logprobs, random_bits
+from torpor.engine.sampling_params import SamplingParams
+from torpor.engine.sequence import Sequence
+
+VOCAB = 64
+
+
+def make_seq(request_id="r", seed=0, **params) -> Sequence:
+    return Sequence(request_id, [1, 2, 3], SamplingParams(seed=seed, **params))
+
+
+def random_logits(num_seqs, seed=0, scale=3.0):
+    return torch.randn(num_seqs, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def sample_steps(sampler, seqs, logits_for_step, num_steps):
+    """Run `num_steps` sampling steps, appending each token; returns per-seq token lists."""
+    for step in range(num_steps):
+        out = sampler(logits_for_step(step), seqs)
+        for seq, token in zip(seqs, out.token_ids, strict=True):
+            seq.append_token(token)
+    return [s.output_token_ids for s in seqs]
+
+
+def test_greedy_is_argmax_with_first_index_on_ties():
+    logits = random_logits(5)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1.0
+    seqs = [make_seq(str(i), temperature=0.0) for i in range(5)]
+    out = Sampler(8)(logits, seqs)
+    assert out.token_ids == logits.argmax(-1).tolist() and out.token_ids[2] == 7
+    assert out.logprobs == [None] * 5
+
+
+def test_seeded_sampling_is_independent_of_the_batch():
+    target = dict(temperature=0.8, top_p=0.95, seed=1234)
+    alone = sample_steps(Sampler(8), [make_seq("t", **target)], lambda s: random_logits(1, s), 12)[0]
+    crowd = [make_seq("g", temperature=0.0), make_seq("t", **target), make_seq("k", top_k=3, seed=5)]
+
+    def crowd_logits(step):  # the target row is the same; the neighbours get other logits
+        other = random_logits(3, 1000 + step)
+        other[1] = random_logits(1, step)[0]
+        return other
+
+    assert sample_steps(Sampler(8), crowd, crowd_logits, 12)[1] == alone
+    assert len(set(alone)) > 1                                  # it really sampled
+
+
+def test_different_seeds_give_different_tokens():
+    seqs = [make_seq(str(i), seed=i) for i in range(4)]
+    logits = random_logits(1, scale=0.5).expand(4, VOCAB).contiguous()   # same distribution
+    tokens = sample_steps(Sampler(8), seqs, lambda s: logits, 10)
+    assert len({tuple(t) for t in tokens}) == 4
+
+
+def test_random_bits_is_a_function_of_seed_and_step():
+    assert random_bits(3, 0) == random_bits(3, 0)
+    assert len({random_bits(3, s) for s in range(100)}) == 100
+    assert all(0 <= random_bits(-1, s) < 2**26 for s in range(10))
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5)])
+def test_degenerate_filters_equal_greedy(params):
+    logits = random_logits(32, seed=3)
+    seqs = [make_seq(str(i), seed=i, temperature=1.5, **params) for i in range(32)]
+    assert Sampler(32)(logits, seqs).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_keep_tokens_inside_their_sets():
+    logits = random_logits(1, seed=4, scale=1.0).expand(256, VOCAB).contiguous()
+    top5 = set(logits[0].topk(5).indices.tolist())
+    probs, order = torch.softmax(logits[0], -1).sort(descending=True)
+    nucleus = set(order[:int((probs.cumsum(0) < 0.5).sum()) + 1].tolist())
+    sampler = Sampler(256)
+    k_tokens = sampler(logits, [make_seq(str(i), seed=i, top_k=5) for i in range(256)]).token_ids
+    p_tokens = sampler(logits, [make_seq(str(i), seed=i, top_p=0.5) for i in range(256)]).token_ids
+    assert set(k_tokens) == top5 and set(p_tokens) == nucleus
+
+
+def test_samples_follow_the_tempered_distribution():
+    logits = random_logits(1, seed=5, scale=1.0)[:, :8]
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    seqs = [make_seq(str(i), seed=i, temperature=0.7) for i in range(256)]
+    tokens = sample_steps(Sampler(256), seqs, lambda s: logits.expand(256, 8).contiguous(), 16)
+    counts = torch.bincount(torch.tensor(tokens).flatten(), minlength=8).double()
+    total_variation = 0.5 * (counts / counts.sum() - expected.double()).abs().sum().item()
+    assert total_variation < 0.03                                  # 4096 draws, 8 tokens
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = random_logits(3, seed=6)
+    seqs = [make_seq("a", temperature=0.0, logprobs=4), make_seq("b", temperature=2.0, logprobs=0),
+            make_seq("c", top_k=2)]
+    out = Sampler(4)(logits, seqs)
+    ref = torch.log_softmax(logits, -1)
+    top = ref[0].topk(4)
+    assert list(out.logprobs[0].items()) == list(zip(top.indices.tolist(), top.values.tolist(),
+                                                     strict=True))   # chosen = argmax = rank 0
+    assert out.logprobs[1] == {out.token_ids[1]: ref[1, out.token_ids[1]].item()}
+    assert out.logprobs[2] is None
+
+
+def test_prompt_logprobs():
+    prompt = [5, 9, 2, 2, 40]
+    logits = random_logits(4, seed=7)
+    result = compute_prompt_logprobs(logits, prompt, num_top=2)
+    ref = torch.log_softmax(logits, -1)
+    assert result[0] is None and len(result) == 5
+    for pos in range(4):
+        entry = result[pos + 1]
+        assert entry[prompt[pos + 1]] == ref[pos, prompt[pos + 1]].item()
+        assert set(ref[pos].topk(2).indices.tolist()) <= set(entry) and len(entry) <= 3
+    with pytest.raises(ValueError, match="needs logits"):
+        compute_prompt_logprobs(logits, prompt[:3], num_top=2)
+
+
+def test_bad_inputs():
+    sampler = Sampler(2)
+    with pytest.raises(ValueError, match="float32"):
+        sampler(random_logits(1).half(), [make_seq()])
+    with pytest.raises(ValueError, match="float32"):
+        sampler(random_logits(2), [make_seq()])
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sampler(random_logits(3), [make_seq(str(i)) for i in range(3)])
+    unseeded = Sequence("u", [1], SamplingParams())
+    with pytest.raises(ValueError, match="sampling seed"):
+        sampler(random_logits(1), [unseeded])

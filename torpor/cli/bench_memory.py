@@ -1,0 +1,223 @@
+"""`torpor bench memory`: sleep/wake throughput and residual memory, side by side with the
+host link's measured bandwidth and (when installed) torch_memory_saver.
+
+Workloads: one large tensor, and many small ones of the same total. Each runs `--cycles`
+offload/restore cycles; the first cycle includes pinning the host buffers, later ones reuse them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+GiB = 2**30
+MiB = 2**20
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="sleep/wake throughput of torpor.memory",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--size", type=float, default=None,
+                   help="GiB per workload (default: 8 on GPU, 0.5 on CPU)")
+    p.add_argument("--num-small", type=int, default=512, help="tensors in the many-small workload")
+    p.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles per workload")
+    p.add_argument("--no-compare", action="store_true", help="skip torch_memory_saver even if installed")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--tms-worker", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_used(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def pinned_bandwidth(device: torch.device, nbytes: int = 4 * GiB, repeats: int = 3) -> dict[str, float]:
+    """Plain torch copies between one device buffer and one pinned host buffer, GB/s."""
+    d = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    result = {}
+    for name, (dst, src) in {"d2h": (h, d), "h2d": (d, h)}.items():
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        sync(device)
+        result[name] = repeats * nbytes / (time.perf_counter() - start) / 1e9
+    del d, h
+    torch.cuda.empty_cache()
+    return result
+
+
+def make_tensors(device: torch.device, total: int, count: int) -> list[torch.Tensor]:
+    """`count` uint8 tensors of `total` bytes together, filled with random bytes."""
+    each = total // count
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.randint(0, 256, (each,), dtype=torch.uint8, device=device, generator=gen) for _ in range(count)]
+
+
+def checksum(tensors: list[torch.Tensor]) -> int:
+    return int(sum(t.sum(dtype=torch.int64) for t in tensors))
+
+
+def bench_torpor(device: torch.device, total: int, count: int, cycles: int, bare: int) -> list[dict]:
+    from torpor.memory import MemoryManager
+
+    mm = MemoryManager(device)
+    with mm.tag("bench"):
+        tensors = make_tensors(device, total, count)
+    reference = checksum(tensors)
+    rows = []
+    for cycle in range(cycles):
+        sync(device)
+        awake = device_used(device)
+        slept = mm.sleep({"bench": "offload"})
+        asleep = device_used(device)
+        woke = mm.wake()
+        ok = checksum(tensors) == reference
+        rows.append(dict(engine="torpor", workload=f"{count} x {total // count // MiB} MiB", cycle=cycle + 1,
+                         offload_gbps=slept.copy_gbps, restore_gbps=woke.copy_gbps,
+                         sleep_s=slept.seconds, wake_s=woke.seconds, awake_mib=awake / MiB,
+                         asleep_mib=asleep / MiB, after_mib=device_used(device) / MiB,
+                         asleep_over_bare_mib=(asleep - bare) / MiB, identical=ok))
+    del tensors
+    mm.close()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_tms(device: torch.device, total: int, count: int, cycles: int) -> list[dict]:
+    """The same workload through torch_memory_saver with CPU backup (run in a child process)."""
+    from torch_memory_saver import torch_memory_saver as tms
+
+    tms.hook_mode = "torch"
+    torch.zeros(1, device=device)
+    bare = device_used(device)
+    with tms.region(tag="bench", enable_cpu_backup=True):
+        tensors = make_tensors(device, total, count)
+    reference = checksum(tensors)
+    rows = []
+    for cycle in range(cycles):
+        sync(device)
+        awake = device_used(device)
+        start = time.perf_counter()
+        tms.pause("bench")
+        sync(device)
+        pause_s = time.perf_counter() - start
+        asleep = device_used(device)
+        start = time.perf_counter()
+        tms.resume("bench")
+        sync(device)
+        resume_s = time.perf_counter() - start
+        rows.append(dict(engine="torch_memory_saver", workload=f"{count} x {total // count // MiB} MiB",
+                         cycle=cycle + 1, offload_gbps=total / pause_s / 1e9, restore_gbps=total / resume_s / 1e9,
+                         sleep_s=pause_s, wake_s=resume_s, awake_mib=awake / MiB, asleep_mib=asleep / MiB,
+                         after_mib=device_used(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
+                         identical=checksum(tensors) == reference))
+    return rows
+
+
+def compare_tms(args: argparse.Namespace) -> list[dict]:
+    try:
+        import torch_memory_saver  # noqa: F401
+    except ImportError:
+        print("torch_memory_saver is not installed: no side-by-side comparison")
+        return []
+    cmd = [sys.executable, "-m", "torpor.cli.main", "bench", "memory", "--tms-worker", "--device", args.device,
+           "--size", str(args.size), "--num-small", str(args.num_small), "--cycles", str(args.cycles)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"torch_memory_saver run failed:\n{proc.stderr[-2000:]}")
+        return []
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def workloads(args: argparse.Namespace) -> list[tuple[int, int]]:
+    total = int(args.size * GiB)
+    return [(total, 1), (total, args.num_small)]
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.device = str(device)
+    args.size = args.size if args.size is not None else (8.0 if device.type == "cuda" else 0.5)
+    if args.tms_worker:
+        rows = [r for total, count in workloads(args) for r in bench_tms(device, total, count, args.cycles)]
+        print(json.dumps(rows))
+        return 0
+    if device.type == "cuda":
+        torch.zeros(1, device=device)
+        sync(device)
+    bare = device_used(device)
+    link = pinned_bandwidth(device) if device.type == "cuda" else {}
+    rows = []
+    for total, count in workloads(args):
+        print(f"torpor: {count} tensor(s), {total / GiB:.2f} GiB, {args.cycles} cycles ...", flush=True)
+        rows += bench_torpor(device, total, count, args.cycles, bare)
+    if device.type == "cuda" and not args.no_compare:
+        print("torch_memory_saver: same workloads in a child process ...", flush=True)
+        rows += compare_tms(args)
+    report(device, bare, link, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(device), env=environment(device), bare_mib=bare / MiB, link_gbps=link,
+                           rows=rows), f, indent=1)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        try:
+            import cuda.bindings
+
+            env["cuda_bindings"] = cuda.bindings.__version__
+        except (ImportError, AttributeError):
+            pass
+    return env
+
+
+def report(device: torch.device, bare: int, link: dict, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200) if not sys.stdout.isatty() else Console()
+    console.print(f"device {device} {environment(device)}; bare context {bare / MiB:.0f} MiB in use")
+    if link:
+        console.print(f"pinned copy bandwidth: d2h {link['d2h']:.1f} GB/s, h2d {link['h2d']:.1f} GB/s")
+    table = Table(title="sleep (offload) and wake (restore)")
+    for col in ("engine", "workload", "cycle", "offload GB/s", "% link", "restore GB/s", "% link",
+                "awake MiB", "asleep MiB", "asleep-bare", "identical"):
+        table.add_column(col, justify="right")
+    def pct(value: float, key: str) -> str:
+        return f"{100 * value / link[key]:.0f}%" if link else "-"
+
+    for r in rows:
+        table.add_row(r["engine"], r["workload"], str(r["cycle"]), f"{r['offload_gbps']:.1f}",
+                      pct(r["offload_gbps"], "d2h"), f"{r['restore_gbps']:.1f}", pct(r["restore_gbps"], "h2d"),
+                      f"{r['awake_mib']:.0f}", f"{r['asleep_mib']:.0f}", f"{r['asleep_over_bare_mib']:+.0f}",
+                      "yes" if r["identical"] else "NO")
+    console.print(table)
+    ours = [r for r in rows if r["engine"] == "torpor" and r["cycle"] > 1]
+    theirs = [r for r in rows if r["engine"] != "torpor" and r["cycle"] > 1]
+    if ours and theirs:
+        speedup = min(r["offload_gbps"] for r in ours) / max(r["offload_gbps"] for r in theirs)
+        console.print(f"pause speed vs torch_memory_saver (worst ours / best theirs, cycles >= 2): {speedup:.1f}x")

@@ -1,0 +1,144 @@
+"""One decoder for Llama 3, Qwen2/2.5 and Qwen3; the differences are config flags (qkv bias, qk norm,
+tied embeddings, RoPE scaling). Module and parameter names follow the Hugging Face checkpoints, except
+the fused `qkv_proj` and `gate_up_proj` (see `packed_modules_mapping`)."""
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torpor.engine.attention.metadata import AttentionBackend, AttentionMetadata
+from torpor.engine.models.config import ModelConfig
+from torpor.engine.models.layers.activation import SiluAndMul
+from torpor.engine.models.layers.attention import Attention
+from torpor.engine.models.layers.embedding import VocabEmbedding
+from torpor.engine.models.layers.linear import Linear, MergedLinear, QKVLinear
+from torpor.engine.models.layers.norm import RMSNorm
+from torpor.engine.models.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.q_size, self.kv_size = config.head_dim, config.q_size, config.kv_size
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, config.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias
+        )
+        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(
+        self, hidden: torch.Tensor, cos_sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary_emb(positions)  # computed once, shared by every layer
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. Build it under the target device and default dtype (see `build_model`);
+    parameters are allocated empty and filled by `torpor.engine.loader.load_weights`."""
+
+    # checkpoint module name -> (fused module name, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, object]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, max_model_len: int | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        max_positions = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.model = LlamaModel(config, backend, max_positions)
+        # Tied embeddings: no separate head, the logits reuse the embedding table.
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Checkpoint tensors that have no parameter here and are safe to skip."""
+        return "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight")
