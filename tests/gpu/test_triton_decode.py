@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -17,8 +19,11 @@ from torpor.engine.attention.reference import (  # noqa: E402
 )
 
 if isinstance(td._decode_split_kernel, InterpretedFunction):
-    pytest.skip("TRITON_INTERPRET is set in this process (the CPU interpreter tests set it): "
-                "run tests/gpu in its own pytest process", allow_module_level=True)
+    pytest.skip(
+        "TRITON_INTERPRET is set in this process (the CPU interpreter tests set it): "
+        "run tests/gpu in its own pytest process",
+        allow_module_level=True,
+    )
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}  # max error / max |ref|
 QWEN3_8B = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
@@ -36,18 +41,28 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim", "block_size"), [
-    (32, 8, 128, 16),  # qwen3-8b / llama-3.1-8b
-    (16, 8, 128, 32),  # qwen3-0.6b
-    (12, 2, 64, 64),   # qwen2.5-1.5b-like grouping of 6
-    (8, 8, 256, 16),   # multi-head, widest head_dim
-])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (32, 8, 128, 16),  # qwen3-8b / llama-3.1-8b
+        (16, 8, 128, 32),  # qwen3-0.6b
+        (12, 2, 64, 64),  # qwen2.5-1.5b-like grouping of 6
+        (8, 8, 256, 16),  # multi-head, widest head_dim
+    ],
+)
 @pytest.mark.parametrize("num_seqs", [1, 7, 40])
 def test_matches_reference(dtype, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs):
     context_lens = random_context_lens(num_seqs, seed=num_seqs)
     q, k_cache, v_cache, block_tables, lens = random_paged_decode_inputs(
-        context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, device="cuda", seed=num_seqs)
+        context_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device="cuda",
+        seed=num_seqs,
+    )
     scale = head_dim**-0.5
     ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, lens, scale)
     for num_splits in (None, 1, 5):
@@ -72,15 +87,19 @@ def test_cuda_graph_replay_matches_eager():
     # the graph's buffers, sized for the largest inputs below; each replay gets new contents copied in
     max_num_seqs, max_blocks_per_seq = 8, 320
     q, k_cache, v_cache, block_tables, context_lens = random_paged_decode_inputs(
-        [max_blocks_per_seq * 16] * max_num_seqs, dtype=torch.bfloat16, device="cuda",
-        max_blocks_per_seq=max_blocks_per_seq, poison_unused=False, **QWEN3_8B)
+        [max_blocks_per_seq * 16] * max_num_seqs,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_blocks_per_seq=max_blocks_per_seq,
+        poison_unused=False,
+        **QWEN3_8B,
+    )
     q = q.clone()
     out = torch.empty_like(q)
     workspace = td.alloc_decode_workspace(max_num_seqs, 32, 8, 128, max_blocks_per_seq, 16, "cuda")
 
     def step():
-        td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 128**-0.5, out,
-                                  workspace=workspace)
+        td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 128**-0.5, out, workspace=workspace)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -92,8 +111,9 @@ def test_cuda_graph_replay_matches_eager():
         step()
 
     for seed, lens in enumerate([[1, 17, 4000, 5000, 16, 2, 800, 333], [5119, 0, 64, 65, 1, 1, 1, 3000]]):
-        fresh = random_paged_decode_inputs(lens, dtype=torch.bfloat16, device="cuda", seed=seed + 1,
-                                           max_blocks_per_seq=max_blocks_per_seq, **QWEN3_8B)
+        fresh = random_paged_decode_inputs(
+            lens, dtype=torch.bfloat16, device="cuda", seed=seed + 1, max_blocks_per_seq=max_blocks_per_seq, **QWEN3_8B
+        )
         num_blocks = fresh[1].shape[0]
         for buffer, value in zip((q, k_cache, v_cache, block_tables, context_lens), fresh, strict=True):
             buffer[:num_blocks].copy_(value)  # caches: the new blocks land in the first num_blocks

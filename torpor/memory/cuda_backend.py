@@ -7,14 +7,19 @@ Sleep unmaps the physical memory (after an optional copy to host) and keeps the 
 wake maps new physical memory at the same addresses. Tensors, views and captured CUDA graphs
 therefore stay valid.
 
-GIL and allocator lock: the callbacks run while the caching allocator holds its mutex and take
-the GIL (ctypes does) and then `SegmentStore.lock`. A thread that holds the GIL and waits for the
-allocator mutex could deadlock against a thread inside a callback only if that thread allocated
-into a tag *without* holding the GIL; tag scopes are entered from Python and are per thread, so
-every allocation into a tag comes from a thread that held the GIL when it called into PyTorch
-(C++ worker threads such as autograd's are not in the scope and allocate from the default pool,
-where `audit()` shows them). `SegmentStore.lock` is never held across a call into PyTorch's
-allocator. At interpreter exit the callbacks do nothing (the process gives everything back).
+The GIL and the allocator lock. PyTorch releases the GIL while an op runs, so a tensor created
+in a tag scope reaches the caching allocator without the GIL, takes the allocator's mutex, and
+our callback then needs the GIL (ctypes takes it). Any *other* thread that holds the GIL and
+waits for that mutex -- creating or entering a pool, `memory_snapshot`, `empty_cache`, freeing a
+CUDA tensor from Python -- would deadlock with it. torpor's answer: `ALLOCATION_LOCK`, one
+process-wide lock (waited on with the GIL released), is held by a thread for the whole of each
+tag scope and by every MemoryManager call that touches the allocator (pool creation, scope entry
+and exit, usage, audit, sleep, wake, close). So torpor itself never meets a callback in flight.
+What the lock cannot cover, and the rule for users: while one thread allocates inside a tag
+scope, other threads must not free CUDA tensors or call PyTorch's allocator APIs (allocate tags
+during set-up, or from one thread; capture CUDA graphs into a tag's pool inside `mm.tag(...)`).
+`SegmentStore.lock` is never held across a call into PyTorch's allocator. At interpreter exit
+the callbacks do nothing (the process gives everything back).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from torpor.memory.types import HostMemoryError
 
 _ALLOC_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 _FREE_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+ALLOCATION_LOCK = threading.RLock()  # see the module docstring
 
 # Every store that owns segments, so `audit` can tell "another manager's tag" from "no tag".
 _STORES: list[CudaBackend] = []

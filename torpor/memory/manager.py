@@ -47,6 +47,7 @@ class MemoryManager:
         if host_backup not in HOST_BACKUPS:
             raise ValueError(f"host_backup must be one of {HOST_BACKUPS}, got {host_backup!r}")
         self._lock = threading.RLock()  # serializes sleep, wake and tag-state changes
+        self._scope_guard: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._local = threading.local()  # per thread: stack of active tag names
         self._states: dict[str, TagState] = {}
         self._actions: dict[str, Action] = {}  # action of the last sleep of each asleep tag
@@ -55,11 +56,14 @@ class MemoryManager:
         self._late: list[LateAllocation] = []
         hook = _weak_hook(self)  # backends must not keep the manager alive
         if device.type == "cuda":
-            from torpor.memory.cuda_backend import CudaBackend
+            from torpor.memory.cuda_backend import ALLOCATION_LOCK, CudaBackend
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
             self._backend = CudaBackend(index, host_backup, max_host_bytes, hook)
+            # See cuda_backend: scopes and every call that takes PyTorch's allocator lock while
+            # holding the GIL are serialized process-wide, so they never meet a callback.
+            self._lock = self._scope_guard = ALLOCATION_LOCK
         elif device.type == "cpu":
             from torpor.memory.host_backend import HostBackend
 
@@ -73,7 +77,8 @@ class MemoryManager:
         gone (CUDA: and `torch.cuda.empty_cache()` ran). Also done when the manager is collected."""
         backend = getattr(self, "_backend", None)
         if backend is not None:
-            backend.close()
+            with self._lock:
+                backend.close()
 
     def __del__(self) -> None:
         self.close()
@@ -88,6 +93,10 @@ class MemoryManager:
         the innermost tag wins. Entering the scope of a sleeping tag raises TagAsleepError."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a tag name must be a non-empty string, got {name!r}")
+        with self._scope_guard:
+            yield from self._scope(name)
+
+    def _scope(self, name: str) -> Iterator[None]:
         with self._lock:
             if name not in self._states:
                 self._backend.create_tag(name)
@@ -189,8 +198,8 @@ class MemoryManager:
 
     def usage(self) -> dict[str, TagUsage]:
         """Per tag: state, reserved / resident / offloaded / discarded / allocated bytes."""
-        allocated, _ = self._backend.allocated_bytes()
         with self._lock:
+            allocated, _ = self._backend.allocated_bytes()
             return {tag: self._usage_of(tag, allocated.get(tag, 0)) for tag in self._states}
 
     def _usage_of(self, tag: str, allocated: int) -> TagUsage:
@@ -215,9 +224,9 @@ class MemoryManager:
 
     def audit(self) -> AuditReport:
         """Memory outside every tag, and allocations made into sealed tags."""
-        _, untagged = self._backend.allocated_bytes()
-        used = self._backend.device_used_bytes()
         with self._lock:
+            _, untagged = self._backend.allocated_bytes()
+            used = self._backend.device_used_bytes()
             tagged = sum(s.size for s in self._backend.segments.values() if s.resident)
             late = tuple(self._late)
         other = None if used is None else max(used - tagged - untagged, 0)

@@ -53,9 +53,8 @@ def random_paged_decode_inputs(
 
     K and V are views of one allocation (equal, non-dense strides); blocks are handed out in shuffled
     order; block tables are padded (to max_blocks_per_seq, default one more than needed) with a spare
-    block; q is a slice of a wider projection (so its
-    sequence stride is not dense). With poison_unused, cache slots no sequence owns hold NaN, so a kernel
-    that reads past a context length produces NaN.
+    block; q is a slice of a wider projection, so its sequence stride is not dense. With poison_unused,
+    cache slots no sequence owns hold NaN, so a kernel that reads past a context length produces NaN.
     Returns q, k_cache, v_cache, block_tables (int32), context_lens (int32).
     """
     gen = torch.Generator(device).manual_seed(seed)
@@ -70,14 +69,15 @@ def random_paged_decode_inputs(
     owned = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
     first_block = 0
     for seq, (context_len, num_seq_blocks) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
-        seq_blocks = order[first_block:first_block + num_seq_blocks]
+        seq_blocks = order[first_block : first_block + num_seq_blocks]
         block_tables[seq, :num_seq_blocks] = seq_blocks
         first_block += num_seq_blocks
         positions = torch.arange(context_len, device=device)
         owned[seq_blocks[positions // block_size].long() * block_size + positions % block_size] = True
     if poison_unused:
         kv.masked_fill_(~owned.view(num_blocks, 1, block_size, 1, 1), float("nan"))
-    qkv = torch.randn(len(context_lens), num_q_heads + 2 * num_kv_heads, head_dim, generator=gen, device=device,
-                      dtype=dtype)
+    qkv = torch.randn(
+        len(context_lens), num_q_heads + 2 * num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype
+    )
     context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
     return qkv[:, :num_q_heads], kv[:, 0], kv[:, 1], block_tables, context_lens_t

@@ -69,9 +69,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
-) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
     """q [q_len, num_heads, head_dim] attends to k/v [num_cached + q_len, num_kv_heads, head_dim];
     query i sits at position num_cached + i and sees keys 0..num_cached + i (bottom-right causal)."""
     groups = q.shape[1] // k.shape[1]

@@ -110,9 +110,7 @@ def _decode_split_kernel(
         )
     else:
         rows = (seq * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [BLOCK_H] rows of the workspace
-        tl.store(
-            partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], normalized, mask=head_mask[:, None]
-        )
+        tl.store(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], normalized, mask=head_mask[:, None])
         # A non-empty split has row_sum >= 1; an empty one has row_max = -inf, hence lse = -inf.
         tl.store(lse_ptr + rows, row_max + tl.log2(tl.maximum(row_sum, 1.0)), mask=head_mask)
 
@@ -137,12 +135,16 @@ def _decode_reduce_kernel(
     lse = tl.load(lse_ptr + first_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context length 0: all splits empty
-    total = tl.sum(tl.exp2(lse - lse_max), axis=0)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for split in range(NUM_SPLITS):  # fixed order: deterministic
-        weight = tl.exp2(tl.load(lse_ptr + first_row + split) - lse_max)
-        acc += weight * tl.load(partial_out_ptr + (first_row + split) * HEAD_DIM + offs_d)
-    out = acc / tl.where(total > 0, total, 1.0)
+    weights = tl.exp2(lse - lse_max)  # [BLOCK_S]: 0 for empty and padding splits
+    total = tl.sum(weights, axis=0)
+    # All splits at once rather than a loop: one round of loads in flight; the reduction order is fixed at
+    # compile time, so the result is still bit-reproducible.
+    partial = tl.load(
+        partial_out_ptr + (first_row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=(offs_s < NUM_SPLITS)[:, None],
+        other=0.0,
+    )  # [BLOCK_S, HEAD_DIM]
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     out_ptr += seq * out_stride_seq + head * out_stride_head
     tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -242,8 +244,7 @@ def _get_workspace(workspace: torch.Tensor | None, numel: int, device: torch.dev
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
     if q.dim() != 3 or out.shape != q.shape:
         raise ValueError(
-            f"q and out must both be [num_seqs, num_q_heads, head_dim], "
-            f"got {tuple(q.shape)}, {tuple(out.shape)}"
+            f"q and out must both be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}, {tuple(out.shape)}"
         )
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(
@@ -272,8 +273,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
         )
     if context_lens.dtype != torch.int32 or context_lens.shape != (num_seqs,):
         raise ValueError(
-            f"context_lens must be int32 [num_seqs={num_seqs}], "
-            f"got {context_lens.dtype} {tuple(context_lens.shape)}"
+            f"context_lens must be int32 [num_seqs={num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}"
         )
     for name, t in (
         ("q", q),
@@ -355,6 +355,7 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
     )
     if num_splits > 1:
+        block_s = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial_out,
             lse,
@@ -364,6 +365,7 @@ def paged_decode_attention(
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=block_s,
+            num_warps=min(16, max(1, block_s * head_dim // 2048)),  # 64 partial-output values per thread
         )
     return out

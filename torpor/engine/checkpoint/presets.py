@@ -180,7 +180,7 @@ PRESETS = {
         ),
         # Tiny models: a few hundred KB, one per architecture. head_dim != hidden / heads on purpose.
         Preset("tiny", _qwen3(**_geometry(64, 128, 2, 4, 2, 1024, 4096, True, head_dim=32)), CHATML),
-        Preset("tiny-llama", _llama(**_geometry(64, 160, 2, 4, 2, 1024, 4096, False)), LLAMA3),
+        Preset("tiny-llama", _llama(**_geometry(64, 160, 2, 4, 2, 1024, 16384, False)), LLAMA3),
         Preset("tiny-qwen2", _qwen2(**_geometry(64, 128, 2, 4, 2, 1024, 4096, True)), CHATML),
     )
 }

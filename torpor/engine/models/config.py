@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,14 @@ class ModelConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        return cls.from_dict(json.loads(file.read_text()))
+        config = cls.from_dict(json.loads(file.read_text()))
+        # generation_config.json may list more end-of-sequence ids (e.g. a chat model's end-of-turn)
+        generation_file = file.parent / "generation_config.json"
+        if generation_file.is_file():
+            extra = _id_tuple(json.loads(generation_file.read_text()).get("eos_token_id"))
+            eos_ids = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
+            config = dataclasses.replace(config, eos_token_ids=eos_ids)
+        return config
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -79,9 +87,7 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         num_kv_heads = d.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-            )
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only 'silu')")
         if d.get("use_sliding_window"):
@@ -89,8 +95,6 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         rope_theta, rope_scaling = _parse_rope(d)
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
             architecture=arch,
             hidden_size=d["hidden_size"],
@@ -111,7 +115,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=_parse_dtype(d.get("torch_dtype") or d.get("dtype") or "float32"),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_id_tuple(d.get("eos_token_id")),
         )
 
 
@@ -146,3 +150,7 @@ def _parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unsupported torch_dtype {name!r}; supported: {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def _id_tuple(ids: int | list[int] | None) -> tuple[int, ...]:
+    return () if ids is None else tuple(ids) if isinstance(ids, list) else (ids,)

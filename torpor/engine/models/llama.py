@@ -31,9 +31,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
-    def forward(
-        self, hidden: torch.Tensor, cos_sin: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -86,17 +84,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
-        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary_emb(positions)  # computed once, shared by every layer
         for layer in self.layers:
@@ -118,9 +110,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, max_model_len: int | None = None
-    ) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config = config
         max_positions = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
@@ -128,9 +118,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied embeddings: no separate head, the logits reuse the embedding table.
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, metadata)
 
@@ -138,6 +126,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def reset_buffers(self) -> None:
+        """Recompute the buffers that checkpoints do not hold (the RoPE table), in place."""
+        self.model.rotary_emb.reset_buffers()
 
     def is_ignored_weight(self, name: str) -> bool:
         """Checkpoint tensors that have no parameter here and are safe to skip."""

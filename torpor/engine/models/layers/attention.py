@@ -17,9 +17,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> like q."""
         if self.k_cache.numel():
             store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)

@@ -21,9 +21,7 @@ class Linear(nn.Module):
         for param in self.parameters():
             param.weight_loader = self.weight_loader
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,9 +41,7 @@ class MergedLinear(Linear):
         for param in self.parameters():
             param.shard_ids = self.shard_ids  # the loader checks every shard was loaded
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id not in self.shard_ids:
             raise ValueError(f"unknown shard {shard_id!r} of a fused layer with shards {self.shard_ids}")
         index = self.shard_ids.index(shard_id)
@@ -57,8 +53,6 @@ class QKVLinear(MergedLinear):
     """The q, k and v projections fused: output = [q (num_heads * head_dim) | k | v] where k and v
     are num_kv_heads * head_dim each."""
 
-    def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
-    ) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, shard_ids=("q", "k", "v"))

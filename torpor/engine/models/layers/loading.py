@@ -10,9 +10,7 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
     if src.dtype not in LOADABLE_DTYPES:
         raise ValueError(f"unsupported dtype {src.dtype} (expected bfloat16, float16 or float32)")
     if dst.shape != src.shape:
-        raise ValueError(
-            f"shape mismatch: parameter has {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}"
-        )
+        raise ValueError(f"shape mismatch: parameter has {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}")
     dst.copy_(src)
 
 

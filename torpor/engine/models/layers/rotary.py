@@ -9,8 +9,8 @@ from torpor.engine.models.config import RopeScaling
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, with Llama 3.1 scaling when given."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies [head_dim // 2] (float32, CPU), with Llama 3.1 scaling when given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
     # Llama 3.1: long wavelengths (beyond the original context / low_freq_factor) are slowed down by
@@ -30,14 +30,25 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin table as a (non-persistent) buffer, so it lives with the weights."""
+    """Holds the cos/sin table as a (non-persistent) buffer, so it lives with the weights. It is not in
+    checkpoints: after the weights' memory was discarded, `reset_buffers` recomputes it in place."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         # [max_positions, head_dim] = [cos | sin], float32 whatever the model dtype
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        table = torch.empty(max_positions, head_dim, dtype=torch.float32)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """(Re)compute the table into the existing buffer. Computed on the CPU, so the values are the
+        same on every device and in every recomputation."""
+        inv_freq = compute_inv_freq(self.head_dim, self.theta, self.scaling)
+        positions = torch.arange(self.cos_sin_cache.shape[0], dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq)
+        self.cos_sin_cache.copy_(torch.cat([freqs.cos(), freqs.sin()], dim=-1))
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.cos_sin_cache[positions]  # [num_tokens, head_dim]
