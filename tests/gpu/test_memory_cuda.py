@@ -40,6 +40,9 @@ def mm():
 
 
 def test_offload_identical_discard_zero_same_addresses(mm):
+    with mm.tag("warm-up"):  # the process's first pinned copy costs the driver some device memory
+        torch.ones(1, device="cuda")
+    mm.sleep({"warm-up": "offload"})
     with mm.tag("weights"):
         w = torch.randn(1024, 1024, device="cuda")
         small = [torch.randn(777, device="cuda") for _ in range(50)]
@@ -50,10 +53,8 @@ def test_offload_identical_discard_zero_same_addresses(mm):
     before = used()
     report = mm.sleep({"weights": "offload", "kv": "discard"})
     assert report.bytes_released >= (4 + 32) * MiB, report
-    # The device really got it back (slack: the first pinned buffers of a process cost the driver
-    # a little device memory for mappings).
-    freed = before - used()
-    assert freed >= report.bytes_released - 8 * MiB, (freed, report)
+    freed = before - used()  # the device really got it back
+    assert freed >= report.bytes_released - 2 * MiB, (freed, report)
     assert mm.is_sleeping("weights") and mm.is_sleeping("kv")
     wake = mm.wake()
     assert wake.bytes_copied == report.bytes_copied
@@ -73,7 +74,7 @@ def test_cuda_graph_replays_identically_after_wake(mm):
     with torch.cuda.stream(s):
         y = torch.relu(x @ w).sum(1)
     torch.cuda.current_stream().wait_stream(s)
-    with mm.tag("cuda_graph"), torch.cuda.graph(g, pool=mm.pool_id("cuda_graph")):
+    with mm.graph_pool("cuda_graph") as pool, torch.cuda.graph(g, pool=pool):
         y = torch.relu(x @ w).sum(1)  # intermediate and output memory live in the graph pool
     g.replay()
     ref = y.clone()
@@ -297,6 +298,9 @@ def test_expandable_segments_still_release():
         from torpor.memory import MemoryManager
         torch.zeros(1, device="cuda")
         mm = MemoryManager("cuda")
+        with mm.tag("warm-up"):
+            torch.ones(1, device="cuda")
+        mm.sleep({"warm-up": "offload"})
         with mm.tag("w"):
             x = torch.randn(64 << 20, device="cuda")
         ref = x.clone()
@@ -322,7 +326,7 @@ def test_clean_interpreter_exit(asleep):
             x = torch.randn(1 << 20, device="cuda")
             ys = [torch.randn(1000, device="cuda") for _ in range(10)]
         g = torch.cuda.CUDAGraph()
-        with mm.tag("g"), torch.cuda.graph(g, pool=mm.pool_id("g")):
+        with mm.graph_pool("g") as pool, torch.cuda.graph(g, pool=pool):
             z = x * 2
         if {asleep}:
             mm.sleep({{"w": "offload", "g": "discard"}})

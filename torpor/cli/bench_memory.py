@@ -68,7 +68,9 @@ def make_tensors(device: torch.device, total: int, count: int) -> list[torch.Ten
     """`count` uint8 tensors of `total` bytes together, filled with random bytes."""
     each = total // count
     gen = torch.Generator(device=device).manual_seed(0)
-    return [torch.randint(0, 256, (each,), dtype=torch.uint8, device=device, generator=gen) for _ in range(count)]
+    # random_ in place: torch.randint would materialize an int64 tensor 8x the size first
+    return [torch.empty(each, dtype=torch.uint8, device=device).random_(0, 256, generator=gen)
+            for _ in range(count)]
 
 
 def checksum(tensors: list[torch.Tensor]) -> int:
@@ -87,6 +89,8 @@ def bench_torpor(device: torch.device, total: int, count: int, cycles: int, bare
         sync(device)
         awake = device_used(device)
         slept = mm.sleep({"bench": "offload"})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the checksums' scratch in the default pool is not the workload
         asleep = device_used(device)
         woke = mm.wake()
         ok = checksum(tensors) == reference
@@ -102,13 +106,8 @@ def bench_torpor(device: torch.device, total: int, count: int, cycles: int, bare
     return rows
 
 
-def bench_tms(device: torch.device, total: int, count: int, cycles: int) -> list[dict]:
+def bench_tms(tms, device: torch.device, total: int, count: int, cycles: int, bare: int) -> list[dict]:
     """The same workload through torch_memory_saver with CPU backup (run in a child process)."""
-    from torch_memory_saver import torch_memory_saver as tms
-
-    tms.hook_mode = "torch"
-    torch.zeros(1, device=device)
-    bare = device_used(device)
     with tms.region(tag="bench", enable_cpu_backup=True):
         tensors = make_tensors(device, total, count)
     reference = checksum(tensors)
@@ -120,6 +119,7 @@ def bench_tms(device: torch.device, total: int, count: int, cycles: int) -> list
         tms.pause("bench")
         sync(device)
         pause_s = time.perf_counter() - start
+        torch.cuda.empty_cache()
         asleep = device_used(device)
         start = time.perf_counter()
         tms.resume("bench")
@@ -130,7 +130,19 @@ def bench_tms(device: torch.device, total: int, count: int, cycles: int) -> list
                          sleep_s=pause_s, wake_s=resume_s, awake_mib=awake / MiB, asleep_mib=asleep / MiB,
                          after_mib=device_used(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
                          identical=checksum(tensors) == reference))
+    del tensors
+    torch.cuda.empty_cache()
     return rows
+
+
+def tms_worker(device: torch.device, args: argparse.Namespace) -> list[dict]:
+    from torch_memory_saver import TorchMemorySaver
+
+    tms = TorchMemorySaver()
+    tms.hook_mode = "torch"  # the pluggable-allocator mode, as torpor (no LD_PRELOAD)
+    torch.zeros(1, device=device)
+    bare = device_used(device)
+    return [r for total, count in workloads(args) for r in bench_tms(tms, device, total, count, args.cycles, bare)]
 
 
 def compare_tms(args: argparse.Namespace) -> list[dict]:
@@ -158,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
     args.device = str(device)
     args.size = args.size if args.size is not None else (8.0 if device.type == "cuda" else 0.5)
     if args.tms_worker:
-        rows = [r for total, count in workloads(args) for r in bench_tms(device, total, count, args.cycles)]
-        print(json.dumps(rows))
+        print(json.dumps(tms_worker(device, args)))
         return 0
     if device.type == "cuda":
         torch.zeros(1, device=device)

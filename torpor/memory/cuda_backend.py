@@ -17,7 +17,7 @@ tag scope and by every MemoryManager call that touches the allocator (pool creat
 and exit, usage, audit, sleep, wake, close). So torpor itself never meets a callback in flight.
 What the lock cannot cover, and the rule for users: while one thread allocates inside a tag
 scope, other threads must not free CUDA tensors or call PyTorch's allocator APIs (allocate tags
-during set-up, or from one thread; capture CUDA graphs into a tag's pool inside `mm.tag(...)`).
+during set-up, or from one thread; capture CUDA graphs into a tag's pool inside `mm.graph_pool(...)`).
 `SegmentStore.lock` is never held across a call into PyTorch's allocator. At interpreter exit
 the callbacks do nothing (the process gives everything back).
 """
@@ -30,7 +30,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,9 +51,14 @@ _STORES: list[CudaBackend] = []
 _STORES_LOCK = threading.Lock()
 
 
+PIECE_BYTES = 256 << 20  # a woken segment is mapped in pieces so copies overlap later maps
+
+
 @dataclass(eq=False)
 class CudaSegment(Segment):
-    handle: Any = None  # CUmemGenericAllocationHandle while resident
+    pieces: list[tuple[int, int, Any]] = field(default_factory=list)  # (offset, size, handle) mapped
+    copied: Any = None  # CUevent recorded after this segment's offload copy, reused every cycle
+    copy_pending: bool = False  # `copied` was recorded and not yet waited for
 
 
 def _keep_forever(obj: object) -> None:
@@ -137,7 +142,7 @@ class CudaBackend(SegmentStore):
             except CudaDriverError:
                 self.vm.free_range(address, rsize)
                 return None  # PyTorch frees cached blocks, retries, then raises OutOfMemoryError
-            self.add(CudaSegment(address, rsize, tag, handle=handle))
+            self.add(CudaSegment(address, rsize, tag, pieces=[(0, rsize, handle)]))
             if self.on_new_segment is not None:
                 self.on_new_segment(tag, rsize)
             return address
@@ -152,11 +157,12 @@ class CudaBackend(SegmentStore):
             seg = self.pop(ptr)
             if seg is None:
                 return
-            if seg.resident:
-                self.vm.unmap(seg.address, seg.size, seg.handle)
+            self._unmap_pieces(seg)
             self.vm.free_range(seg.address, seg.size)
             if seg.backup is not None:
                 seg.backup.free()
+            if seg.copied is not None:
+                cuda_driver.event_destroy(seg.copied)
         except BaseException:
             self.callback_errors.append(traceback.format_exc())
 
@@ -191,29 +197,44 @@ class CudaBackend(SegmentStore):
         torch.cuda.synchronize(self.device_index)
 
     def _copy_out(self, segments: list[Segment]) -> None:
+        # Queue every copy, each followed by its own event, so `_release` can unmap a segment
+        # as soon as its copy is done while later copies still run.
         stream = self._stream_handle()
         for seg in segments:
             cuda_driver.copy_d2h(seg.backup.ptr, seg.address, seg.size, stream)
-        cuda_driver.stream_synchronize(stream)
+            if seg.copied is None:
+                seg.copied = cuda_driver.event_create()
+            cuda_driver.event_record(seg.copied, stream)
+            seg.copy_pending = True
 
     def _release(self, segment: Segment) -> None:
-        self.vm.unmap(segment.address, segment.size, segment.handle)
-        segment.handle = None
+        if segment.copy_pending:
+            cuda_driver.event_synchronize(segment.copied)
+            segment.copy_pending = False
+        self._unmap_pieces(segment)
 
-    def _map(self, segment: Segment) -> None:
-        try:
-            segment.handle = self.vm.map(segment.address, segment.size)
-        except CudaDriverError as exc:
-            if exc.out_of_memory:
-                raise DeviceOutOfMemory(str(exc)) from None
-            raise
+    def _unmap_pieces(self, segment: Segment) -> None:
+        while segment.pieces:
+            offset, size, handle = segment.pieces.pop()
+            self.vm.unmap(segment.address + offset, size, handle)
 
-    def _fill(self, segment: Segment) -> None:
+    def _restore(self, segment: Segment) -> None:
         stream = self._stream_handle()
-        if segment.holds_copy:
-            cuda_driver.copy_h2d(segment.address, segment.backup.ptr, segment.size, stream)
-        else:
-            cuda_driver.memset_zero(segment.address, segment.size, stream)
+        for offset in range(0, segment.size, PIECE_BYTES):
+            size = min(PIECE_BYTES, segment.size - offset)
+            try:
+                handle = self.vm.map(segment.address + offset, size)
+            except CudaDriverError as exc:
+                cuda_driver.stream_synchronize(stream)  # queued refills of this segment first
+                self._unmap_pieces(segment)
+                if exc.out_of_memory:
+                    raise DeviceOutOfMemory(str(exc)) from None
+                raise
+            segment.pieces.append((offset, size, handle))
+            if segment.holds_copy:
+                cuda_driver.copy_h2d(segment.address + offset, segment.backup.ptr + offset, size, stream)
+            else:
+                cuda_driver.memset_zero(segment.address + offset, size, stream)
 
     def _finish_fills(self) -> None:
         cuda_driver.stream_synchronize(self._stream_handle())
@@ -259,11 +280,18 @@ class _ExpandableSegments:
         with cls._lock:
             cls._depth += 1
             if cls._depth == 1 and cls.requested():
-                torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+                _set_allocator_settings("expandable_segments:False")
 
     @classmethod
     def resume(cls) -> None:
         with cls._lock:
             cls._depth -= 1
             if cls._depth == 0 and cls.requested():
-                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+                _set_allocator_settings("expandable_segments:True")
+
+
+def _set_allocator_settings(settings: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.10
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)

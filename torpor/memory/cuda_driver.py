@@ -73,7 +73,8 @@ class VirtualMemory:
         check("cuMemAddressFree", self.cu.cuMemAddressFree(address, size))
 
     def map(self, address: int, size: int) -> Any:
-        """Create `size` bytes of device memory and map them at `address`; returns the handle."""
+        """Create `size` bytes of device memory and map them at `address`; returns the handle.
+        Raises CudaDriverError (`.out_of_memory` set when the device is full)."""
         cu = self.cu
         handle = check("cuMemCreate", cu.cuMemCreate(size, self.prop, 0))
         try:
@@ -118,3 +119,20 @@ def memset_zero(dst: int, size: int, stream: int) -> None:
 
 def stream_synchronize(stream: int) -> None:
     check("cuStreamSynchronize", driver().cuStreamSynchronize(stream))
+
+
+def event_create() -> Any:
+    cu = driver()
+    return check("cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+
+
+def event_record(event: Any, stream: int) -> None:
+    check("cuEventRecord", driver().cuEventRecord(event, stream))
+
+
+def event_synchronize(event: Any) -> None:
+    check("cuEventSynchronize", driver().cuEventSynchronize(event))
+
+
+def event_destroy(event: Any) -> None:
+    check("cuEventDestroy", driver().cuEventDestroy(event))

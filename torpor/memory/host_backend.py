@@ -141,10 +141,8 @@ class HostBackend(SegmentStore):
     def _release(self, segment: HostChunk) -> None:
         segment.mapping.madvise(mmap.MADV_DONTNEED, 0, segment.size)
 
-    def _map(self, segment: Segment) -> None:
-        pass  # the address range stays mapped; released pages come back on first touch
-
-    def _fill(self, segment: HostChunk) -> None:
+    def _restore(self, segment: HostChunk) -> None:
+        # The address range stayed mapped; released pages come back on first touch.
         if not segment.holds_copy:
             return  # MADV_DONTNEED pages of a private anonymous mapping read back as zeros
         with memoryview(segment.mapping) as whole, whole[: segment.used] as part:

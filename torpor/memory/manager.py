@@ -119,16 +119,24 @@ class MemoryManager:
             if watch is not None:
                 self._record_growth(name, *watch)
 
-    def pool_id(self, name: str) -> tuple[int, int]:
-        """CUDA: the tag's memory-pool id, for `torch.cuda.graph(g, pool=mm.pool_id("cuda_graph"))`
-        so a graph's private memory lives in the tag. The tag is created if new."""
+    @contextlib.contextmanager
+    def graph_pool(self, name: str) -> Iterator[tuple[int, int]]:
+        """CUDA: the memory pool of tag `name`, for capturing a CUDA graph whose private memory
+        lives in the tag (it then sleeps and wakes with it):
+
+            with mm.graph_pool("cuda_graph") as pool, torch.cuda.graph(g, pool=pool):
+                out = model(static_input)
+
+        Holds the allocation lock during the capture, like a tag scope (see cuda_backend)."""
         if self.device.type != "cuda":
-            raise ValueError("pool_id exists only for CUDA managers")
-        with self._lock:
+            raise ValueError("graph_pool exists only for CUDA managers")
+        with self._scope_guard, self._lock:
             if name not in self._states:
                 self._backend.create_tag(name)
                 self._states[name] = TagState.AWAKE
-            return self._backend.pool_id(name)
+            if self._states[name] is TagState.ASLEEP:
+                raise TagAsleepError(f"tag {name!r} is asleep: wake it before capturing into it")
+            yield self._backend.pool_id(name)
 
     def _stack(self) -> list[str]:
         if not hasattr(self._local, "stack"):

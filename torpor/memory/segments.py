@@ -3,7 +3,7 @@
 A *segment* is one address range the backend handed out (a CUDA caching-allocator segment, or
 one mmap chunk of a host arena). Sleep and wake work segment by segment; addresses never change.
 A backend subclasses `SegmentStore` and supplies the device primitives (`_reserve_backups`,
-`_copy_out`, `_release`, `_map`, `_fill`). The algorithm here owns the guarantees:
+`_copy_out`, `_release`, `_restore`, ...). The algorithm here owns the guarantees:
 
 - sleep gets every host copy it needs *before* it releases anything, so a failure leaves the
   whole plan awake; it synchronizes the device before copying and unmapping;
@@ -41,7 +41,7 @@ class Segment:
 
 
 class DeviceOutOfMemory(Exception):
-    """Raised by `_map` when the device has no memory for a segment."""
+    """Raised by `_restore` when the device has no memory for a segment."""
 
 
 class SegmentStore(ABC):
@@ -110,9 +110,8 @@ class SegmentStore(ABC):
             mapped: list[Segment] = []
             try:
                 for seg in segs:  # map one, then queue its copy: copies overlap later maps
-                    self._map(seg)
+                    self._restore(seg)
                     mapped.append(seg)
-                    self._fill(seg)
                 self._finish_fills()
             except DeviceOutOfMemory as exc:
                 self._finish_fills()
@@ -178,20 +177,19 @@ class SegmentStore(ABC):
 
     @abstractmethod
     def _copy_out(self, segments: list[Segment]) -> None:
-        """Copy each segment into its backup and wait for the copies."""
+        """Start copying each segment into its backup. A failure that can be seen here must
+        raise before anything is released; `_release` waits for the segment's own copy."""
 
     @abstractmethod
     def _release(self, segment: Segment) -> None:
-        """Give the segment's physical memory back; the address range stays reserved."""
+        """Give the segment's physical memory back (after its copy, if any, is done); the
+        address range stays reserved."""
 
     @abstractmethod
-    def _map(self, segment: Segment) -> None:
-        """Back the segment's address range with fresh memory, or raise DeviceOutOfMemory."""
-
-    @abstractmethod
-    def _fill(self, segment: Segment) -> None:
-        """Queue the restore of a freshly mapped segment: its host copy if it holds one,
-        else zeros."""
+    def _restore(self, segment: Segment) -> None:
+        """Back the segment's address range with fresh memory and queue its refill: the host
+        copy if it holds one, else zeros. If the device is full, undo this segment's own
+        mapping and raise DeviceOutOfMemory."""
 
     @abstractmethod
     def _finish_fills(self) -> None:
