@@ -56,7 +56,7 @@ def test_offload_identical_discard_zero_same_addresses(mm):
     freed = before - used()  # the device really got it back
     assert freed >= report.bytes_released - 2 * MiB, (freed, report)
     assert mm.is_sleeping("weights") and mm.is_sleeping("kv")
-    wake = mm.wake()
+    wake = mm.wake(["weights", "kv"])
     assert wake.bytes_copied == report.bytes_copied
     assert (w.data_ptr(), kv.data_ptr(), [s.data_ptr() for s in small]) == ptrs
     assert torch.equal(w, ref_w) and all(torch.equal(a, b) for a, b in zip(small, ref_small, strict=True))

@@ -119,7 +119,6 @@ def bench_tms(tms, device: torch.device, total: int, count: int, cycles: int, ba
         tms.pause("bench")
         sync(device)
         pause_s = time.perf_counter() - start
-        torch.cuda.empty_cache()
         asleep = device_used(device)
         start = time.perf_counter()
         tms.resume("bench")
@@ -130,9 +129,11 @@ def bench_tms(tms, device: torch.device, total: int, count: int, cycles: int, ba
                          sleep_s=pause_s, wake_s=resume_s, awake_mib=awake / MiB, asleep_mib=asleep / MiB,
                          after_mib=device_used(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
                          identical=checksum(tensors) == reference))
-    del tensors
-    torch.cuda.empty_cache()
+    _KEEP.append(tensors)  # freeing region memory aborts torch_memory_saver 0.0.10 in torch hook mode
     return rows
+
+
+_KEEP: list = []
 
 
 def tms_worker(device: torch.device, args: argparse.Namespace) -> list[dict]:
@@ -154,10 +155,13 @@ def compare_tms(args: argparse.Namespace) -> list[dict]:
     cmd = [sys.executable, "-m", "torpor.cli.main", "bench", "memory", "--tms-worker", "--device", args.device,
            "--size", str(args.size), "--num-small", str(args.num_small), "--cycles", str(args.cycles)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"torch_memory_saver run failed:\n{proc.stderr[-2000:]}")
+    lines = proc.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("["):
+        print(f"torch_memory_saver run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
         return []
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    if proc.returncode != 0:
+        print(f"torch_memory_saver's process exited with {proc.returncode} after reporting: {proc.stderr[-300:]}")
+    return json.loads(lines[-1])
 
 
 def workloads(args: argparse.Namespace) -> list[tuple[int, int]]:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from torpor.env import Env
 from torpor.memory import cuda_driver
 from torpor.memory.cuda_driver import CudaDriverError, VirtualMemory
 from torpor.memory.host_buffer import HostBuffer
@@ -51,7 +52,6 @@ _STORES: list[CudaBackend] = []
 _STORES_LOCK = threading.Lock()
 
 
-PIECE_BYTES = 256 << 20  # a woken segment is mapped in pieces so copies overlap later maps
 
 
 @dataclass(eq=False)
@@ -80,9 +80,11 @@ class CudaBackend(SegmentStore):
         with torch.cuda.device(device_index):
             torch.cuda.init()
             self.vm = VirtualMemory(device_index)
+            self._stream = cuda_driver.stream_create()
+        piece = Env.read().wake_piece_mib << 20
+        self.piece_bytes = self.vm.round_up(piece) if piece else 0
         self.pools: dict[str, torch.cuda.MemPool] = {}
         self._scopes = threading.local()  # per thread: stack of active use_mem_pool contexts
-        self._stream: torch.cuda.Stream | None = None
         self.callback_errors: list[str] = []
         with _STORES_LOCK:
             _STORES.append(self)
@@ -167,10 +169,8 @@ class CudaBackend(SegmentStore):
             self.callback_errors.append(traceback.format_exc())
 
     # ---- device primitives for SegmentStore --------------------------------------------
-    def _stream_handle(self) -> int:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device_index)
-        return self._stream.cuda_stream
+    def _stream_handle(self) -> Any:
+        return self._stream
 
     def _reserve_backups(self, segments: list[Segment]) -> None:
         made: list[Segment] = []
@@ -220,8 +220,9 @@ class CudaBackend(SegmentStore):
 
     def _restore(self, segment: Segment) -> None:
         stream = self._stream_handle()
-        for offset in range(0, segment.size, PIECE_BYTES):
-            size = min(PIECE_BYTES, segment.size - offset)
+        piece = self.piece_bytes or segment.size
+        for offset in range(0, segment.size, piece):
+            size = min(piece, segment.size - offset)
             try:
                 handle = self.vm.map(segment.address + offset, size)
             except CudaDriverError as exc:

@@ -136,3 +136,10 @@ def event_synchronize(event: Any) -> None:
 
 def event_destroy(event: Any) -> None:
     check("cuEventDestroy", driver().cuEventDestroy(event))
+
+
+def stream_create() -> Any:
+    """A non-blocking stream of the current context. Made through the driver because PyTorch's
+    first extra stream creates its whole stream pool, which costs ~70 MiB of device memory."""
+    cu = driver()
+    return check("cuStreamCreate", cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))

@@ -1,0 +1,32 @@
+"""Every environment switch torpor reads, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class Env:
+    # torpor.memory: a woken segment is mapped in pieces of this many MiB so its refill starts
+    # before the whole segment is mapped (0: map each segment whole).
+    wake_piece_mib: int
+    # Where the embedded default model and other generated files are cached.
+    cache_dir: str
+
+    @classmethod
+    def read(cls) -> Env:
+        return cls(
+            wake_piece_mib=_int("TORPOR_WAKE_PIECE_MIB", 0),
+            cache_dir=os.environ.get("TORPOR_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torpor"),
+        )
