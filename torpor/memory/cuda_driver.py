@@ -143,3 +143,12 @@ def stream_create() -> Any:
     first extra stream creates its whole stream pool, which costs ~70 MiB of device memory."""
     cu = driver()
     return check("cuStreamCreate", cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+
+def make_primary_context_current(device_index: int) -> None:
+    """Make the device's primary context (the one PyTorch's runtime uses) current on this
+    thread, creating it if PyTorch has not touched the device yet."""
+    cu = driver()
+    device = check("cuDeviceGet", cu.cuDeviceGet(device_index))
+    context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device))
+    check("cuCtxSetCurrent", cu.cuCtxSetCurrent(context))
