@@ -66,7 +66,7 @@ def pinned_bandwidth(device: torch.device, nbytes: int = 4 * GiB, repeats: int =
 
 def make_tensors(device: torch.device, total: int, count: int) -> list[torch.Tensor]:
     """`count` uint8 tensors of `total` bytes together, filled with random bytes."""
-    each = total // count
+    each = total // count // 64 * 64  # whole int64 words, for `checksum`
     gen = torch.Generator(device=device).manual_seed(0)
     # random_ in place: torch.randint would materialize an int64 tensor 8x the size first
     return [torch.empty(each, dtype=torch.uint8, device=device).random_(0, 256, generator=gen)
