@@ -19,7 +19,8 @@ def _int(name: str, default: int) -> int:
 @dataclass(frozen=True)
 class Env:
     # torpor.memory: a woken segment is mapped in pieces of this many MiB so its refill starts
-    # before the whole segment is mapped (0: map each segment whole).
+    # before the whole segment is mapped (0: map each segment whole). 64 MiB measured best on an
+    # H200 (docs/memory-gpu-results.md).
     wake_piece_mib: int
     # Where the embedded default model and other generated files are cached.
     cache_dir: str
@@ -27,6 +28,6 @@ class Env:
     @classmethod
     def read(cls) -> Env:
         return cls(
-            wake_piece_mib=_int("TORPOR_WAKE_PIECE_MIB", 0),
+            wake_piece_mib=_int("TORPOR_WAKE_PIECE_MIB", 64),
             cache_dir=os.environ.get("TORPOR_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torpor"),
         )
