@@ -98,11 +98,7 @@ class MemoryManager:
 
     def _scope(self, name: str) -> Iterator[None]:
         with self._lock:
-            if name not in self._states:
-                self._backend.create_tag(name)
-                self._states[name] = TagState.AWAKE
-            if self._states[name] is TagState.ASLEEP:
-                raise TagAsleepError(f"tag {name!r} is asleep: wake it before allocating in it")
+            self._awake_tag(name)
             self._active[name] += 1
         stack = self._stack()
         parent = stack[-1] if stack else None
@@ -131,12 +127,16 @@ class MemoryManager:
         if self.device.type != "cuda":
             raise ValueError("graph_pool exists only for CUDA managers")
         with self._scope_guard, self._lock:
-            if name not in self._states:
-                self._backend.create_tag(name)
-                self._states[name] = TagState.AWAKE
-            if self._states[name] is TagState.ASLEEP:
-                raise TagAsleepError(f"tag {name!r} is asleep: wake it before capturing into it")
+            self._awake_tag(name)
             yield self._backend.pool_id(name)
+
+    def _awake_tag(self, name: str) -> None:
+        """Create tag `name` if new; refuse if it sleeps. Called with the lock held."""
+        if name not in self._states:
+            self._backend.create_tag(name)
+            self._states[name] = TagState.AWAKE
+        if self._states[name] is TagState.ASLEEP:
+            raise TagAsleepError(f"tag {name!r} is asleep: wake it before allocating in it")
 
     def _stack(self) -> list[str]:
         if not hasattr(self._local, "stack"):
