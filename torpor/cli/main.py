@@ -14,11 +14,17 @@ def build_parser() -> argparse.ArgumentParser:
     from torpor.cli import demo
 
     demo.add_parser(sub)
+    from torpor.cli import make_model
+
+    make_model.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks that print measured numbers")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from torpor.cli import bench_memory
 
     bench_memory.add_parser(bench_sub)
+    from torpor.cli import bench_decode
+
+    bench_decode.add_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,39 @@
+"""The engine's commands: `torpor make-model`, and `torpor bench decode` as a CPU smoke test (its numbers
+only mean something on a GPU, but every code path except CUDA graphs runs)."""
+
+import json
+
+import pytest
+
+from torpor.cli.main import main
+from torpor.engine.checkpoint import make_model
+
+
+def test_make_model_writes_the_same_checkpoint_as_the_library(tmp_path, capsys):
+    assert main(["make-model", "tiny-llama", str(tmp_path / "cli"), "--seed", "3", "--dtype", "float32"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    make_model("tiny-llama", tmp_path / "lib", seed=3, dtype="float32", progress=False)
+    files = sorted(p.name for p in (tmp_path / "lib").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "cli").iterdir())
+    for name in files:
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes(), name
+    with pytest.raises(SystemExit):
+        main(["make-model", "no-such-preset", str(tmp_path / "x")])
+
+
+def test_bench_decode_runs_end_to_end_on_cpu(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "decode", "--device", "cpu", "--models", "tiny", "--throughput-model", "tiny-qwen2",
+            "--cache-dir", str(tmp_path / "models"), "--prompt-len", "8", "--decode-tokens", "16",
+            "--num-requests", "12", "--prompt-lens", "4,20", "--output-lens", "2,12", "--max-num-seqs", "4",
+            "--hf-batch-size", "4", "--copy-gib", "0.05", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tiny batch 1" in printed and "tiny-qwen2 throughput" in printed
+    results = json.loads(out.read_text())
+    assert results["copy_gbps"] > 0
+    (batch1,) = results["batch1"]
+    assert batch1["model"] == "tiny" and batch1["tokens_per_s"] > 0 and batch1["bytes_per_step"] > 0
+    throughput = results["throughput"]
+    assert throughput["output_tokens"] > 0 and throughput["ratio"] > 0

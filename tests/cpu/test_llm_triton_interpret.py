@@ -1,0 +1,45 @@
+"""The engine's GPU attention path (TritonAttentionBackend, decode batches padded to graph buckets with
+scratch slots) run on CPU by Triton's interpreter, against the CPU engine."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("the interpreter tests run on machines without CUDA; tests/gpu covers it", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7):
+    pytest.skip(f"the Triton interpreter tests need triton >= 3.7, found {triton.__version__}", allow_module_level=True)
+if not isinstance(triton.language.cdiv, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this file in its own pytest "
+                "process", allow_module_level=True)
+
+from torpor.engine import LLM, SamplingParams  # noqa: E402
+from torpor.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from torpor.engine.checkpoint import make_model  # noqa: E402
+
+
+def test_triton_backend_with_padded_decode_matches_the_cpu_engine(tmp_path):
+    path = str(make_model("tiny", tmp_path / "tiny", dtype="float32", progress=False))
+    options = dict(device="cpu", max_model_len=96, max_num_seqs=12, block_size=16)
+    reference, llm = LLM(path, **options), LLM(path, **options)
+    runner = llm.engine.model_runner
+    backend = TritonAttentionBackend()
+    backend.workspace = torch.empty(runner._workspace_numel(runner.config), dtype=torch.float32)
+    for layer in runner.model.model.layers:
+        layer.self_attn.attn.backend = backend
+    runner.pad_decode_batches = True  # 5 sequences run as a batch of 8: 3 rows on the scratch slot
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 17, 30, 5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    expected, got = reference.generate(prompts, params), llm.generate(prompts, params)
+    for want, out in zip(expected, got, strict=True):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(out.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+    scratch = runner.kv_cache[:, :, runner.config.num_kv_blocks]
+    assert scratch.abs().sum() > 0  # the padded rows really wrote there (and only there: outputs match)

@@ -1,0 +1,134 @@
+"""`LLM` on CUDA: CUDA graphs vs eager, against transformers, memory tags, KV-cache sizing, sleep/wake."""
+
+import gc
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from torpor.engine import LLM, SamplingParams  # noqa: E402
+from torpor.engine.checkpoint import make_model  # noqa: E402
+
+MiB = 1 << 20
+SMALL = dict(device="cuda", max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=256)
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5, prompt_logprobs=3),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True, logprobs=0),
+    SamplingParams(temperature=1.0, top_k=10, seed=4, max_tokens=50, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-models")
+    return {dtype: make_model("tiny", root / dtype, dtype=dtype, progress=False) for dtype in ("bfloat16", "float32")}
+
+
+@pytest.fixture(autouse=True)
+def release_memory():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def utilization(extra: float) -> float:
+    """A gpu_memory_utilization that leaves the engine `extra` of the device beyond what is in use."""
+    free, total = torch.cuda.mem_get_info()
+    return round((total - free) / total + extra, 3)
+
+
+def prompts(lengths=(3, 17, 40, 9, 100), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def summary(outputs):
+    return [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_graphs_match_eager_exactly(checkpoints, dtype):
+    path = str(checkpoints[dtype])
+    graphs = LLM(path, **SMALL)
+    assert graphs.engine.model_runner.graphs is not None
+    with_graphs = summary(graphs.generate(prompts(), PARAMS))  # 5 sequences: the batch-8 graph, 3 padded rows
+    with_graphs += summary(graphs.generate(prompts((7,), seed=1), PARAMS[:1]))  # the batch-1 graph
+    del graphs
+    eager = LLM(path, enforce_eager=True, **SMALL)
+    assert eager.engine.model_runner.graphs is None
+    expected = summary(eager.generate(prompts(), PARAMS)) + summary(eager.generate(prompts((7,), seed=1), PARAMS[:1]))
+    assert with_graphs == expected
+
+
+def test_greedy_matches_transformers_on_gpu(checkpoints):
+    transformers = pytest.importorskip("transformers")
+    path = checkpoints["float32"]
+    llm = LLM(str(path), **SMALL)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for prompt, out in zip(prompts(), llm.generate(prompts(), params), strict=True):
+        ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_every_tag_holds_its_buffers_and_nothing_escapes(checkpoints):
+    from torpor.memory import MemoryManager
+
+    memory = MemoryManager("cuda")
+    untagged_before = memory.audit().untagged_bytes  # earlier tests' cuBLAS workspaces, HF caches, ...
+    options = {**SMALL, "num_kv_blocks": None, "gpu_memory_utilization": utilization(0.05)}  # profiled
+    llm = LLM(str(checkpoints["bfloat16"]), memory=memory, **options)
+    runner = llm.engine.model_runner
+    usage = memory.usage()
+    for tag in ("weights", "kv_cache", "runtime", "workspace", "cuda_graph"):
+        assert usage[tag].allocated_bytes > 0 or usage[tag].reserved_bytes > 0, tag
+    backend = memory._backend
+    assert {backend.find(p.data_ptr()).tag for p in runner.model.parameters()} == {"weights"}
+    assert backend.find(runner.kv_cache.data_ptr()).tag == "kv_cache"
+    for t in (runner.buffers.tokens, runner.buffers.lens_tables, runner.buffers.hidden, runner.sampler._inputs):
+        assert backend.find(t.data_ptr()).tag == "runtime"
+    assert backend.find(runner.backend.workspace.data_ptr()).tag == "workspace"
+    # Left untagged on purpose: cuBLAS's per-stream workspaces (default and capture stream, made once per
+    # process). The profiling step must not leave anything else behind.
+    untagged = memory.audit().untagged_bytes - untagged_before
+    print(f"untagged after start-up: {untagged / MiB:.1f} MiB more than before")
+    assert untagged <= 80 * MiB
+    first = summary(llm.generate(prompts(), PARAMS))
+    for tag in memory.tags():
+        memory.seal(tag)
+    again = summary(llm.generate(prompts(), PARAMS))
+    assert memory.audit().late_allocations == ()
+    assert again == first
+    memory.sleep({"weights": "offload", "kv_cache": "discard", "runtime": "offload", "workspace": "discard",
+                  "cuda_graph": "offload"})
+    memory.wake()
+    assert summary(llm.generate(prompts(), PARAMS)) == first  # the same graphs replay after the wake
+    del llm, runner
+    memory.close()
+
+
+def test_kv_cache_is_sized_from_gpu_memory_utilization(checkpoints):
+    path = str(checkpoints["bfloat16"])
+    total = torch.cuda.mem_get_info()[1]
+    budget = utilization(0.01)  # 1% of the device beyond what is in use: the KV cache is budget-limited
+    llm = LLM(path, device="cuda", max_model_len=4096, max_num_seqs=1024, enforce_eager=True,
+              gpu_memory_utilization=budget)
+    config, kv_bytes = llm.config, llm.engine.model_runner.kv_cache.nbytes
+    assert config.num_kv_blocks < config.max_num_seqs * config.max_num_blocks_per_seq
+    assert kv_bytes > 0.005 * total  # most of the 1% went to the cache
+    assert total - torch.cuda.mem_get_info()[0] <= budget * total  # and the engine stayed within its budget
+    outputs = llm.generate(prompts(), PARAMS)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in PARAMS]
+    del llm, outputs
+    gc.collect()
+    torch.cuda.empty_cache()
+    # a generous budget: capped at every sequence at max_model_len (more blocks would never be used)
+    llm = LLM(path, device="cuda", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=utilization(0.05))
+    assert llm.config.num_kv_blocks == 8 * 256 // 16

@@ -1,0 +1,152 @@
+"""`LLM`: the offline entry point, `generate(prompts, params) -> [RequestOutput]` (vLLM conventions)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+import torch
+
+from torpor.engine.config import EngineConfig
+from torpor.engine.llm_engine import LLMEngine
+from torpor.engine.models import ModelConfig
+from torpor.engine.outputs import RequestOutput
+from torpor.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A paged-KV inference engine on one device.
+
+    model: a Hugging Face checkpoint folder; None = the embedded tiny default model.
+    device: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N". dtype: "auto" (the checkpoint's),
+    "float32", "float16" or "bfloat16". max_model_len: prompt + output tokens of one sequence (default:
+    min(4096, the model's max_position_embeddings)). memory: a `torpor.memory.MemoryManager` on the same
+    device; every persistent buffer is then allocated in its tag (weights, runtime, kv_cache, workspace,
+    cuda_graph). Further keyword arguments are `EngineConfig` fields (block_size, max_num_batched_tokens,
+    num_kv_blocks, ...).
+    """
+
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False, seed: int = 0, memory=None, **engine_options) -> None:
+        from torpor.engine.checkpoint import default_model_path
+
+        path = str(model if model is not None else default_model_path())
+        model_config = ModelConfig.from_pretrained(path)
+        unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
+        if engine_options.get("tensor_parallel_size", 1) != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        config = EngineConfig(
+            model=path,
+            dtype=_dtype_name(dtype),
+            device=_resolve_device(device),
+            max_model_len=_resolve_max_model_len(max_model_len, model_config),
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            **engine_options,
+        )
+        self.memory = memory
+        self.engine = LLMEngine(config, memory)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete every prompt (text, or token ids); outputs in input order. Raises ValueError before
+        queueing anything if any prompt or parameter is invalid."""
+        prompt_list = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompt_list))
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            with _progress(use_tqdm, len(seqs)) as advance:
+                while len(outputs) < len(seqs):
+                    if self.engine.scheduler.paused:
+                        raise RuntimeError("the engine is paused: requests cannot run until it resumes")
+                    for output in self.engine.step():
+                        outputs[output.request_id] = output
+                        advance()
+        except BaseException:
+            for seq in seqs:
+                if seq.request_id not in outputs:
+                    self.engine.abort_request(seq.request_id)
+            raise
+        return [outputs[seq.request_id] for seq in seqs]
+
+
+def _prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, SequenceABC) or not prompts:
+        raise ValueError(f"prompts must be a string, a list of strings, a list of token ids or a list of "
+                         f"token-id lists, and not empty; got {prompts!r:.80}")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    if all(isinstance(p, str) or (isinstance(p, SequenceABC) and not isinstance(p, bytes)) for p in prompts):
+        return [p if isinstance(p, str) else list(p) for p in prompts]
+    raise ValueError(f"prompts must not mix token ids with other prompts; got {prompts!r:.80}")
+
+
+def _params_list(params, num_prompts: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if isinstance(params, SequenceABC) and not isinstance(params, str):
+        if len(params) != num_prompts:
+            raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")
+        return list(params)
+    raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+
+def _resolve_device(device: str | torch.device) -> str:
+    device = str(device)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available")
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    return names.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
+
+
+def _resolve_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if max_model_len is None:
+        return min(4096, limit)
+    if isinstance(max_model_len, int) and max_model_len > limit:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings ({limit})")
+    return max_model_len
+
+
+class _progress:
+    """A rich progress bar over finished requests when enabled; yields `advance()`."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import Progress
+
+        self.bar = Progress()
+        self.bar.__enter__()
+        task = self.bar.add_task("generating", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.bar.__exit__(*exc)

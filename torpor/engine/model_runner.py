@@ -1,0 +1,158 @@
+"""Owns the model, the KV cache and every other device buffer; runs one scheduled batch per call.
+
+Start-up happens in phases, each inside its memory tag (`memory.tag(...)`, or no scope without a
+MemoryManager), so every persistent buffer lands where sleep mode expects it:
+
+    weights      build_model + load_weights (parameters and the RoPE table)
+    (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
+    runtime      the decode buffers, the sampler's state, and nested in it:
+      kv_cache   the KV cache
+    workspace    GPU: the Triton decode workspace
+    cuda_graph   GPU: the pool of the decode CUDA graphs
+
+Steps allocate only temporaries, outside every tag. Left untagged on purpose: cuBLAS's per-stream
+workspaces (made by the first GEMM on a stream and kept by PyTorch for the life of the process; other
+code in the process may use them while the engine sleeps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from torpor.engine.attention.torch_backend import TorchAttentionBackend
+from torpor.engine.config import EngineConfig
+from torpor.engine.cuda_graphs import CudaGraphRunner, run_decode
+from torpor.engine.inputs import DecodeBuffers, prepare_prefill
+from torpor.engine.kv_cache import (
+    PROMPT_LOGPROBS_CHUNK,
+    allocate_kv_cache,
+    cpu_num_kv_blocks,
+    gpu_num_kv_blocks,
+    kv_block_bytes,
+)
+from torpor.engine.loader import load_weights
+from torpor.engine.models import ModelConfig, build_model
+from torpor.engine.models.config import DTYPES
+from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from torpor.engine.sequence import Sequence
+
+
+class ModelRunner:
+    """`config.device` must be resolved ("cpu" or "cuda:N"). After construction `self.config` holds the
+    number of KV blocks the scheduler may hand out (the scratch block excluded)."""
+
+    def __init__(self, config: EngineConfig, memory=None) -> None:
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if memory is not None and memory.device != self.device:
+            raise ValueError(f"the MemoryManager is on {memory.device}, the engine on {self.device}")
+        self.memory = memory
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            from torpor.engine.attention.triton_backend import TritonAttentionBackend
+
+            self.backend = TritonAttentionBackend()
+        else:
+            self.backend = TorchAttentionBackend()
+        with self._tag("weights"):
+            self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
+            load_weights(self.model, config.model)
+        self.config = config.with_num_kv_blocks(self._num_kv_blocks(config))
+        self.graphs: CudaGraphRunner | None = None
+        # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
+        # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.
+        self.pad_decode_batches = on_gpu
+        self._allocate_runtime()
+        if on_gpu:
+            torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
+
+    def _tag(self, name: str) -> contextlib.AbstractContextManager:
+        return self.memory.tag(name) if self.memory is not None else contextlib.nullcontext()
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
+        if self.device.type == "cpu":
+            return cpu_num_kv_blocks(config, block_bytes)
+        return gpu_num_kv_blocks(config, self.model, self.model_config, block_bytes, self._reserved_bytes(config),
+                                 self.device)
+
+    def _reserved_bytes(self, config: EngineConfig) -> int:
+        """Device memory allocated after the KV cache besides the graph pool: decode buffers, workspace."""
+        buffers = config.max_num_seqs * (3 * 8 + 4 * (1 + config.max_num_blocks_per_seq)
+                                         + self.model_config.hidden_size * self.dtype.itemsize)
+        return buffers + 4 * self._workspace_numel(config)
+
+    def _workspace_numel(self, config: EngineConfig) -> int:
+        from torpor.engine.attention.triton_decode import decode_workspace_shape
+
+        m = self.model_config
+        return decode_workspace_shape(config.max_num_seqs, m.num_attention_heads, m.num_key_value_heads,
+                                      m.head_dim, config.max_num_blocks_per_seq, config.block_size, self.device)[0]
+
+    def _allocate_runtime(self) -> None:
+        config, m = self.config, self.model_config
+        num_blocks = config.num_kv_blocks + 1  # + the scratch block, id num_kv_blocks
+        with self._tag("runtime"):
+            with self._tag("kv_cache"):
+                self.kv_cache = allocate_kv_cache(self.model, m, num_blocks, config.block_size, self.dtype,
+                                                  self.device)
+            self.buffers = DecodeBuffers(config.max_num_seqs, config.max_num_blocks_per_seq, m.hidden_size,
+                                         self.dtype, self.device, config.block_size, config.num_kv_blocks)
+            self.sampler = Sampler(config.max_num_seqs, self.device)
+        if self.device.type == "cuda":
+            from torpor.engine.attention.triton_decode import alloc_decode_workspace
+
+            with self._tag("workspace"):
+                self.backend.workspace = alloc_decode_workspace(
+                    config.max_num_seqs, m.num_attention_heads, m.num_key_value_heads, m.head_dim,
+                    config.max_num_blocks_per_seq, config.block_size, self.device)
+            if not config.enforce_eager:
+                with torch.inference_mode():
+                    self.graphs = CudaGraphRunner(self.model, self.buffers, config.cuda_graph_batch_sizes,
+                                                  config.max_model_len, self.memory)
+
+    # ---- steps -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+        """Run one scheduled batch and sample the next token of each sequence. A prefill also fills
+        `seq.prompt_logprobs` of the sequences that asked for them (once, at their first prefill)."""
+        logits = self._prefill(seqs) if is_prefill else self._decode(seqs)
+        return self.sampler(logits, seqs)
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        batch = prepare_prefill(seqs, self.config.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.metadata)  # [num_tokens, hidden_size]
+        for seq, start in zip(seqs, batch.starts, strict=True):
+            if seq.sampling_params.prompt_logprobs is not None and seq.prompt_logprobs is None:
+                self._prompt_logprobs(seq, hidden, start)
+        return self.model.compute_logits(hidden[batch.last_indices])
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """Logprobs of prompt tokens 1.. from the hidden states at positions 0.., PROMPT_LOGPROBS_CHUNK
+        positions at a time (full [prompt_len, vocab] logits can be gigabytes)."""
+        if seq.num_cached_tokens:
+            raise RuntimeError(f"{seq.request_id!r}: prompt logprobs need the whole prompt in one prefill")
+        num_top, prompt = seq.sampling_params.prompt_logprobs, seq.prompt_token_ids
+        result = [None]
+        for first in range(0, len(prompt) - 1, PROMPT_LOGPROBS_CHUNK):
+            last = min(first + PROMPT_LOGPROBS_CHUNK, len(prompt) - 1)
+            logits = self.model.compute_logits(hidden[start + first : start + last])
+            result += compute_prompt_logprobs(logits, prompt[first : last + 1], num_top)[1:]
+        seq.prompt_logprobs = result
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        num_seqs = len(seqs)
+        batch_size = self.config.padded_batch_size(num_seqs) if self.pad_decode_batches else num_seqs
+        max_context_len = self.buffers.load(seqs, batch_size)
+        if self.graphs is not None:
+            hidden = self.graphs.replay(self.buffers, batch_size)
+        else:
+            hidden = run_decode(self.model, self.buffers, batch_size, max_context_len)
+        return self.model.compute_logits(hidden[:num_seqs])
