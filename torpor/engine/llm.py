@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -23,13 +24,15 @@ class LLM:
     "float32", "float16" or "bfloat16". max_model_len: prompt + output tokens of one sequence (default:
     min(4096, the model's max_position_embeddings)). memory: a `torpor.memory.MemoryManager` on the same
     device; every persistent buffer is then allocated in its tag (weights, runtime, kv_cache, workspace,
-    cuda_graph). Further keyword arguments are `EngineConfig` fields (block_size, max_num_batched_tokens,
-    num_kv_blocks, ...).
+    cuda_graph). With `enable_sleep_mode` (default) and no `memory`, the LLM makes its own manager;
+    `sleep`, `wake_up`, `reload_weights`, `update_weights` and `memory_usage` need one. Further keyword
+    arguments are `EngineConfig` fields (block_size, max_num_batched_tokens, num_kv_blocks, ...).
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, seed: int = 0, memory=None, **engine_options) -> None:
+                 enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,
+                 **engine_options) -> None:
         from torpor.engine.checkpoint import default_model_path
 
         path = str(model if model is not None else default_model_path())
@@ -50,10 +53,17 @@ class LLM:
             seed=seed,
             **engine_options,
         )
+        if memory is None and enable_sleep_mode:
+            from torpor.memory import MemoryManager
+
+            memory = MemoryManager(config.device)
         self.memory = memory
         self.engine = LLMEngine(config, memory)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        # One engine, many threads: steps, sleeps and wakes take turns; generate waits while asleep.
+        self._lock = threading.Condition(threading.RLock())
+        self._finished: dict[str, RequestOutput] = {}
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -62,24 +72,80 @@ class LLM:
         queueing anything if any prompt or parameter is invalid."""
         prompt_list = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompt_list))
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
-        for seq in seqs:
-            self.engine.add_sequence(seq)
+        with self._lock:
+            seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
+            for seq in seqs:
+                self.engine.add_sequence(seq)
+        mine = {seq.request_id for seq in seqs}
         outputs: dict[str, RequestOutput] = {}
         try:
             with _progress(use_tqdm, len(seqs)) as advance:
                 while len(outputs) < len(seqs):
-                    if self.engine.scheduler.paused:
-                        raise RuntimeError("the engine is paused: requests cannot run until it resumes")
-                    for output in self.engine.step():
-                        outputs[output.request_id] = output
-                        advance()
+                    with self._lock:
+                        self._step_or_wait()
+                        for request_id in mine & self._finished.keys():
+                            outputs[request_id] = self._finished.pop(request_id)
+                            advance()
         except BaseException:
-            for seq in seqs:
-                if seq.request_id not in outputs:
-                    self.engine.abort_request(seq.request_id)
+            with self._lock:
+                for request_id in mine - outputs.keys():
+                    self.engine.abort_request(request_id)
+                    self._finished.pop(request_id, None)
             raise
         return [outputs[seq.request_id] for seq in seqs]
+
+    def _step_or_wait(self) -> None:
+        """One engine step, or (asleep) wait until another thread wakes the engine. Called locked."""
+        finished = self.engine.step()
+        self._finished.update((o.request_id, o) for o in finished)
+        if finished:
+            self._lock.notify_all()
+        if self.engine.scheduler.paused and not finished:
+            mode = self.engine.sleep_mode
+            if mode is not None and mode.level is None and mode.weights_discarded:
+                raise RuntimeError("the weights were discarded by sleep(level=2) and every tag is awake: "
+                                   "call reload_weights() or update_weights() before generating")
+            self._lock.wait()
+
+    # ---- sleep mode --------------------------------------------------------------------------
+    def sleep(self, level: int = 1, running: str = "wait"):
+        """Level 0: pause scheduling. Level 1: weights and runtime state to host memory, KV cache
+        and scratch discarded. Level 2: as 1, but the weights are discarded too (then
+        `reload_weights` or `update_weights`). `running`: "wait" lets running requests finish first,
+        "abort" ends them. Returns the memory report (None for a no-op or level 0)."""
+        with self._lock:
+            report = self.engine.sleep(level, running)
+            self._lock.notify_all()
+            return report
+
+    def wake_up(self, tags: list[str] | None = None):
+        """Wake the named tags (all when None); every wake also restores the runtime state. Requests
+        waiting in `generate` run once every tag is awake. Returns a `WakeResult`."""
+        with self._lock:
+            result = self.engine.wake_up(tags)
+            self._lock.notify_all()
+            return result
+
+    def is_sleeping(self) -> bool:
+        with self._lock:
+            return self.engine.is_sleeping()
+
+    def reload_weights(self, path: str | None = None) -> None:
+        """Reload the checkpoint (or the one at `path`) into the same weight tensors."""
+        with self._lock:
+            self.engine.reload_weights(path)
+            self._lock.notify_all()
+
+    def update_weights(self, named_tensors) -> int:
+        """Copy `(hf_name, tensor)` pairs into the weights (all of them after a level-2 sleep)."""
+        with self._lock:
+            count = self.engine.update_weights(named_tensors)
+            self._lock.notify_all()
+            return count
+
+    def memory_usage(self) -> dict:
+        with self._lock:
+            return self.engine.memory_usage()
 
 
 def _prompt_list(prompts) -> list[Prompt]:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
+from dataclasses import asdict
+
+import torch
 
 from torpor.engine.config import EngineConfig
 from torpor.engine.model_runner import ModelRunner
@@ -10,7 +14,9 @@ from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import Sequence
+from torpor.engine.sleep_mode import SleepMode, WakeResult
 from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from torpor.memory import Report
 
 
 class LLMEngine:
@@ -19,6 +25,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, memory=None) -> None:
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.model_runner = ModelRunner(config, memory)
+        self.memory = memory
+        self.sleep_mode = SleepMode(memory) if memory is not None else None
+        self._pending: list[RequestOutput] = []  # finished outside `step` (drained or aborted by a sleep)
         self.config = self.model_runner.config  # with the profiled number of KV blocks
         model_config = self.model_runner.model_config
         self.vocab_size = model_config.vocab_size
@@ -63,22 +72,122 @@ class LLMEngine:
         """Queue a request (text or token ids); returns its id."""
         return self.add_sequence(self.make_sequence(prompt, params, request_id))
 
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-        self._texts.pop(request_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a waiting or running request; returns its output (finish_reason 'abort')."""
+        seq = self.scheduler.abort(request_id)
+        text = self._texts.pop(request_id, None)
+        if seq is None or text is None:
+            return None
+        return RequestOutput.from_sequence(seq, text.final(seq.output_token_ids))
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule a batch, run it, record the tokens; returns the requests finished by this step."""
+        """Schedule a batch, run it, record the tokens; returns the requests finished by this step
+        (and any a sleep finished meanwhile). Runs nothing while the engine sleeps."""
+        finished, self._pending = self._pending, []
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return []
+            return finished
         output = self.model_runner.run(seqs, is_prefill)
         self.scheduler.postprocess(seqs, output.token_ids, output.logprobs)
-        return self._postprocess_text(seqs)
+        return finished + self._postprocess_text(seqs)
+
+    # ---- sleep mode (see sleep_mode.py) ------------------------------------------------
+    def sleep(self, level: int = 1, running: str = "wait") -> Report | None:
+        """Level 0 pauses scheduling; 1 and 2 also release memory (see sleep_mode.py). Running requests
+        are finished first (`running="wait"`, new ones are not started) or aborted (`"abort"`); their
+        outputs come out of the next `step`. Same or shallower level while asleep: no-op (None)."""
+        mode = self._sleep_mode()
+        if running not in ("wait", "abort"):
+            raise ValueError(f"running must be 'wait' or 'abort', got {running!r}")
+        plan = mode.plan(level)
+        if plan is None:
+            return None
+        if mode.level is None or mode.level == 0:
+            self._settle_running(running)
+        report = self.memory.sleep(plan) if plan else None
+        self.scheduler.pause()
+        mode.after_sleep(level)
+        if self.model_runner.device.type == "cuda" and plan:
+            torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
+        return report
+
+    def _settle_running(self, running: str) -> None:
+        if running == "abort":
+            for seq in list(self.scheduler.running):
+                output = self.abort_request(seq.request_id)
+                if output is not None:
+                    self._pending.append(output)
+            return
+        self.scheduler.resume()
+        self.scheduler.drain()
+        while self.scheduler.running:
+            self._pending = self.step()  # step hands back what was pending plus what it finished
+
+    def wake_up(self, tags: list[str] | None = None) -> WakeResult:
+        """Wake `tags` (all when None); any wake also restores every tag but weights and kv_cache.
+        The engine serves again once every tag is awake and its weights are valid."""
+        mode = self._sleep_mode()
+        targets = mode.wake_targets(tags)
+        report = self.memory.wake(targets)
+        if "kv_cache" in targets:
+            self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
+        return WakeResult(report, tuple(targets), self._resume_if_ready(ends_pause=True))
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and self.sleep_mode.level is not None
+
+    def reload_weights(self, path: str | None = None) -> None:
+        """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
+        self._weights_awake("reload_weights")
+        self.model_runner.reload_weights(path or self.config.model)
+        self._weights_restored()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's
+        push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
+        self._weights_awake("update_weights")
+        strict = self.sleep_mode is not None and self.sleep_mode.weights_discarded
+        count = self.model_runner.update_weights(named_tensors, strict=strict)
+        self._weights_restored()
+        return count
+
+    def memory_usage(self) -> dict:
+        """Per-tag bytes and states, the sleep level, and the device memory in use."""
+        mode = self._sleep_mode()
+        return {"level": mode.level, "device_used_bytes": self.memory.device_used_bytes(),
+                "weights_discarded": mode.weights_discarded,
+                "tags": {tag: asdict(usage) for tag, usage in self.memory.usage().items()}}
+
+    def _sleep_mode(self) -> SleepMode:
+        if self.sleep_mode is None:
+            raise RuntimeError("sleep mode is off: build the engine with a MemoryManager (enable_sleep_mode)")
+        return self.sleep_mode
+
+    def _weights_awake(self, what: str) -> None:
+        if self.memory is not None and "weights" in self.memory.tags() and self.memory.is_sleeping("weights"):
+            raise RuntimeError(f"{what}: the weights are asleep; call wake_up(['weights']) first")
+
+    def _weights_restored(self) -> None:
+        if self.sleep_mode is not None:
+            self.sleep_mode.weights_discarded = False
+            self._resume_if_ready(ends_pause=False)
+
+    def _resume_if_ready(self, ends_pause: bool) -> bool:
+        """Serve again once every tag is awake and the weights are valid; only a wake ends a level-0
+        pause. Returns whether the engine serves."""
+        mode = self.sleep_mode
+        if mode.level is not None:
+            if (mode.level == 0 and not ends_pause) or self.memory.is_sleeping():
+                return False
+            mode.level = None
+        if mode.weights_discarded:
+            return False
+        self.scheduler.resume()
+        return True
 
     def _postprocess_text(self, seqs: list[Sequence]) -> list[RequestOutput]:
         finished = []

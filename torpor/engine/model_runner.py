@@ -32,7 +32,7 @@ from torpor.engine.kv_cache import (
     gpu_num_kv_blocks,
     kv_block_bytes,
 )
-from torpor.engine.loader import load_weights
+from torpor.engine.loader import load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.config import DTYPES
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
@@ -117,6 +117,17 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.graphs = CudaGraphRunner(self.model, self.buffers, config.cuda_graph_batch_sizes,
                                                   config.max_model_len, self.memory)
+
+    # ---- weights -----------------------------------------------------------------------------
+    def reload_weights(self, path: str) -> None:
+        """The checkpoint at `path` into the existing parameters (same addresses: graphs stay valid)."""
+        load_weights(self.model, path)
+
+    def update_weights(self, named_tensors, strict: bool) -> int:
+        """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table."""
+        count = load_named_tensors(self.model, named_tensors, strict=strict)
+        self.model.reset_buffers()
+        return count
 
     # ---- steps -----------------------------------------------------------------------------
     @torch.inference_mode()

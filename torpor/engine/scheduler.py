@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []           # sorted by arrival, oldest first
         self.paused = False
+        self.draining = False  # admit no new prefills; running sequences go on (before a sleep)
         self._requests: dict[str, Sequence] = {}    # unfinished sequences by request id
         self._arrivals = itertools.count()
         # Seeds of unseeded requests, drawn in arrival order: an engine run is reproducible
@@ -106,8 +107,12 @@ class Scheduler:
         """Stop scheduling (sleep level 0): `schedule` returns nothing; requests still queue."""
         self.paused = True
 
+    def drain(self) -> None:
+        """Let the running sequences finish but start no new ones (a sleep waits for them)."""
+        self.draining = True
+
     def resume(self) -> None:
-        self.paused = False
+        self.paused = self.draining = False
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The next batch and whether it is a prefill. Empty when paused or idle."""
@@ -121,7 +126,7 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         num_tokens = 0
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and not self.draining:
             seq = self.waiting[0]
             if (num_tokens + seq.num_new_tokens > self.config.max_num_batched_tokens
                     or not self.block_manager.can_allocate(seq)):

@@ -1,0 +1,150 @@
+"""The bit-exact sleep/wake harness and the soak, shared by the tests and `torpor bench sleep`.
+
+A fixed batch of requests (mixed lengths, greedy and seeded sampling, output and prompt logprobs)
+runs once awake; after every kind of sleep and wake the same batch runs again and must match the
+first round exactly: token ids, text, every output logprob and every prompt logprob.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torpor.engine.loader import iter_checkpoint
+from torpor.engine.outputs import RequestOutput
+from torpor.engine.sampling_params import SamplingParams
+
+Request = tuple[list[int], SamplingParams]
+
+
+def fixed_requests(num: int, vocab_size: int, seed: int = 0, max_prompt: int = 48,
+                   max_tokens: int = 16) -> list[Request]:
+    """`num` requests of mixed prompt lengths; even ones greedy, odd ones seeded sampling."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(2, max_prompt))]
+        common = dict(max_tokens=rng.randint(1, max_tokens), logprobs=2, prompt_logprobs=2, ignore_eos=True)
+        if i % 2:
+            params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=10_000 + i, **common)
+        else:
+            params = SamplingParams(temperature=0.0, **common)
+        requests.append((prompt, params))
+    return requests
+
+
+def run_round(llm, requests: list[Request]) -> list[RequestOutput]:
+    return llm.generate([p for p, _ in requests], [sp for _, sp in requests])
+
+
+def differences(reference: list[RequestOutput], outputs: list[RequestOutput]) -> list[str]:
+    """Every way `outputs` differ from `reference` (empty when bit-identical)."""
+    found = []
+    for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
+        a, b = ref.outputs[0], out.outputs[0]
+        for field, x, y in (("token_ids", a.token_ids, b.token_ids), ("text", a.text, b.text),
+                            ("logprobs", a.logprobs, b.logprobs),
+                            ("prompt_logprobs", ref.prompt_logprobs, out.prompt_logprobs)):
+            if x != y:
+                found.append(f"request {i}: {field} differ")
+    return found
+
+
+@dataclass
+class Scenario:
+    name: str
+    run: Callable  # (llm) -> None: the sleep/wake sequence before the round
+    sleep_s: float = 0.0
+    wake_s: float = 0.0
+    asleep_bytes: int = 0
+    mismatches: int = -1
+
+
+def _cycle(level: int, wakes: list[list[str] | None], weights: str | None = None) -> Callable:
+    """sleep(level), then the wakes in order; `weights` ('reload' | 'update') after the first."""
+
+    def run(llm) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        llm.sleep(level)
+        slept = time.perf_counter() - start
+        asleep = llm.memory_usage()["device_used_bytes"]
+        start = time.perf_counter()
+        for i, tags in enumerate(wakes):
+            llm.wake_up(tags)
+            if i == 0 and weights == "reload":
+                llm.reload_weights()
+            elif i == 0 and weights == "update":
+                llm.update_weights(iter_checkpoint(llm.config.model))  # as a trainer pushing weights
+        return slept, time.perf_counter() - start, asleep
+
+    return run
+
+
+def scenarios() -> list[Scenario]:
+    return [
+        Scenario("level 1, full wake", _cycle(1, [None])),
+        Scenario("level 1, wake weights then kv_cache", _cycle(1, [["weights"], ["kv_cache"]])),
+        Scenario("level 2 + reload_weights", _cycle(2, [["weights"], ["kv_cache"]], "reload")),
+        Scenario("level 2 + update_weights", _cycle(2, [["weights"], ["kv_cache"]], "update")),
+        Scenario("level 1, full wake (again)", _cycle(1, [None])),
+        Scenario("level 2 + reload, full wake", _cycle(2, [None], "reload")),
+    ]
+
+
+def run_harness(llm, requests: list[Request], log: Callable[[str], None] = print) -> list[Scenario]:
+    """The first awake round, then every scenario followed by a round compared with it."""
+    reference = run_round(llm, requests)
+    results = []
+    for scenario in scenarios():
+        scenario.sleep_s, scenario.wake_s, scenario.asleep_bytes = scenario.run(llm)
+        scenario.mismatches = len(differences(reference, run_round(llm, requests)))
+        log(f"{scenario.name}: {len(requests) - scenario.mismatches}/{len(requests)} bit-identical "
+            f"(sleep {scenario.sleep_s:.3f} s, wake {scenario.wake_s:.3f} s, "
+            f"asleep {scenario.asleep_bytes / 2**20:.0f} MiB)")
+        results.append(scenario)
+    return results
+
+
+@dataclass
+class SoakResult:
+    cycles: int
+    exact_cycles: int
+    device_bytes: list[int]  # after each wake
+    host_rss_bytes: list[int]  # after each wake
+
+    @staticmethod
+    def slope(values: list[int]) -> float:
+        """Least-squares slope per cycle, in MiB."""
+        n = len(values)
+        if n < 2:
+            return 0.0
+        mean_x, mean_y = (n - 1) / 2, sum(values) / n
+        num = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
+        den = sum((x - mean_x) ** 2 for x in range(n))
+        return num / den / 2**20
+
+
+def host_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def soak(llm, requests: list[Request], cycles: int, log: Callable[[str], None] | None = None) -> SoakResult:
+    """`cycles` sleep/wake cycles alternating levels and selective wakes, each followed by a round
+    that must equal the first; device memory and host RSS recorded after every wake."""
+    reference = run_round(llm, requests)
+    patterns = scenarios()
+    result = SoakResult(cycles, 0, [], [])
+    for cycle in range(cycles):
+        patterns[cycle % len(patterns)].run(llm)
+        exact = not differences(reference, run_round(llm, requests))
+        result.exact_cycles += exact
+        result.device_bytes.append(llm.memory_usage()["device_used_bytes"])
+        result.host_rss_bytes.append(host_rss())
+        if log is not None and (cycle + 1) % max(1, cycles // 10) == 0:
+            device, rss = result.device_bytes[-1] / 2**20, result.host_rss_bytes[-1] / 2**20
+            log(f"cycle {cycle + 1}/{cycles}: exact so far {result.exact_cycles}/{cycle + 1}, "
+                f"device {device:.0f} MiB, host RSS {rss:.0f} MiB")
+    return result
