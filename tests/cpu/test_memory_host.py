@@ -238,10 +238,8 @@ def test_audit_reports_late_allocations_with_their_stack(mm):
     assert mm.usage()["runtime"].sealed
 
 
-@pytest.mark.parametrize("command", [["demo", "--device", "cpu", "--size-mib", "32"],
-                                     ["bench", "memory", "--device", "cpu", "--size", "0.03", "--num-small", "8",
-                                      "--cycles", "2"]])
-def test_cli_commands_run_and_report_identical(command):
+def test_bench_memory_command_runs_and_reports_identical():
+    command = ["bench", "memory", "--device", "cpu", "--size", "0.03", "--num-small", "8", "--cycles", "2"]
     result = subprocess.run([sys.executable, "-m", "torpor", *command], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert ("bit-identical" in result.stdout) if command[0] == "demo" else ("yes" in result.stdout)
+    assert "yes" in result.stdout and "NO" not in result.stdout

@@ -1,10 +1,11 @@
-"""`torpor demo`: a model's worth of tensors goes to sleep and wakes up, bit-identically.
+"""`torpor demo`: the engine sleeps, wakes, and answers bit-identically.
 
-Builds a small transformer-shaped workload in four tags (weights; a KV cache nested in runtime
-state; workspace), computes an answer, sleeps like an inference engine at level 1 (weights and
-runtime offloaded, KV cache and workspace discarded), wakes, checks the answer is bit-identical,
-then does a level-2 cycle (weights discarded and reloaded into the same tensors). Prints what
-each tag held awake, asleep and after the wake, device memory (RSS on CPU), and the speed.
+Starts the engine on the embedded tiny model (or --model), answers a fixed batch of requests
+(greedy and seeded sampling, with logprobs), then runs three sleep/wake cycles -- level 1 with a
+full wake, level 1 with a selective wake (weights, then KV cache), level 2 with the weights
+reloaded -- and after each checks that every answer is bit-identical to the first. Prints per-tag
+memory awake / asleep / after the wake, the device memory in use (RSS on CPU), sleep and wake
+times and copy speeds, and writes a plot of memory over the timeline.
 """
 
 from __future__ import annotations
@@ -13,85 +14,138 @@ import argparse
 import sys
 import time
 
-import torch
-
 MiB = 2**20
+CYCLES = {
+    "level 1, full wake": (1, [None], False),
+    "level 1, weights then kv_cache": (1, [["weights"], ["kv_cache"]], False),
+    "level 2, weights + reload, kv_cache": (2, [["weights"], ["kv_cache"]], True),
+}
+PROMPTS = ["The engine fell asleep", "Memory comes back", "Every byte returns", "A quiet GPU",
+           "Wake up and answer", "Offload, discard, keep", "Graphs stay valid", "Bit for bit"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="sleep and wake a model's worth of tensors and check the answers",
+    p = sub.add_parser("demo", help="sleep and wake the engine and check every answer (the main job)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    p.add_argument("--size-mib", type=int, default=None, help="weight bytes (default: 2048 on GPU, 256 on CPU)")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded tiny model)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
+    p.add_argument("--plot", default="torpor-demo-memory.png", help="where to write the memory plot ('' = none)")
     p.set_defaults(func=run)
 
 
-def build(mm, device: torch.device, size_mib: int) -> dict:
-    """Weights of about `size_mib` MiB (1024x1024 fp32 layers), a KV cache, block tables, a workspace."""
-    hidden = 1024
-    layers = max(1, size_mib * MiB // (hidden * hidden * 4))
-    with mm.tag("weights"):
-        weights = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]).to(device)
-    with mm.tag("runtime"):
-        with mm.tag("kv_cache"):
-            kv_cache = torch.zeros(layers, 256, hidden, device=device)
-        block_tables = torch.randint(0, 256, (64, 32), dtype=torch.int32, device=device)
-    with mm.tag("workspace"):
-        workspace = torch.empty(16 * MiB // 4, device=device)
-    return dict(weights=weights, kv_cache=kv_cache, block_tables=block_tables, workspace=workspace)
+class Timeline:
+    """Device memory and per-tag resident bytes at each event of the demo."""
+
+    def __init__(self, llm) -> None:
+        self.llm, self.start, self.rows = llm, time.perf_counter(), []
+
+    def mark(self, event: str) -> dict:
+        usage = self.llm.memory_usage()
+        row = dict(t=time.perf_counter() - self.start, event=event, device=usage["device_used_bytes"],
+                   tags={tag: u["resident_bytes"] for tag, u in usage["tags"].items()})
+        self.rows.append(row)
+        return row
+
+    def plot(self, path: str, device: str) -> None:
+        """Per-tag resident bytes stacked at each event, and the memory in use on a second axis."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(11, 5))
+        steps = range(len(self.rows))
+        tags = list(self.rows[0]["tags"])
+        ax.stackplot(steps, *[[r["tags"].get(t, 0) / MiB for r in self.rows] for t in tags], labels=tags,
+                     step="post", alpha=0.8)
+        ax.set_ylabel("tag memory resident, MiB (stacked)")
+        used = ax.twinx()
+        used.step(steps, [r["device"] / MiB for r in self.rows], where="post", color="black", linewidth=2,
+                  label="process RSS" if device == "cpu" else "device memory in use")
+        used.set_ylabel("MiB in use")
+        used.set_ylim(bottom=0)
+        ax.set_xticks(list(steps), [r["event"] for r in self.rows], rotation=40, ha="right", fontsize=7)
+        ax.set_title(f"torpor demo on {device}: memory at each step of the timeline")
+        ax.legend(loc="upper left", fontsize=8)
+        used.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
 
 
-@torch.no_grad()
-def answer(state: dict) -> torch.Tensor:
-    """A deterministic function of every live tag (weights, runtime); the KV cache is rebuilt."""
-    x = state["block_tables"].float()[:, :1].expand(64, 1024) / 256
-    state["kv_cache"][:, :64].copy_(x)  # the engine refills its cache after a wake
-    for layer in state["weights"]:
-        x = torch.tanh(layer(x) + state["kv_cache"][0, :64])
-    return x
+def requests(llm):
+    from torpor.engine import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=12, logprobs=2, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    return PROMPTS, params
 
 
-def used(mm) -> int:
-    return mm.device_used_bytes()
+def cycle(llm, level: int, wakes: list, reload: bool, timeline: Timeline) -> dict:
+    before = timeline.mark("awake")
+    slept = llm.sleep(level)
+    asleep = timeline.mark(f"sleep({level})")
+    wake_s, wake_bytes = 0.0, 0
+    for i, tags in enumerate(wakes):
+        result = llm.wake_up(tags)
+        wake_s += result.report.seconds
+        wake_bytes += result.report.bytes_copied
+        timeline.mark(f"wake_up({tags or 'all'})")
+        if reload and i == 0:
+            start = time.perf_counter()
+            llm.reload_weights()
+            wake_s += time.perf_counter() - start
+            timeline.mark("reload_weights")
+    after = timeline.mark("awake again")
+    return dict(before=before, asleep=asleep, after=after, sleep_s=slept.seconds, sleep_bytes=slept.bytes_copied,
+                wake_s=wake_s, wake_bytes=wake_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from torpor.memory import MemoryManager
+    from torpor.engine import LLM
+    from torpor.engine.sleep_harness import differences
 
-    console = Console(width=200) if not sys.stdout.isatty() else Console()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    size = args.size_mib or (2048 if device.type == "cuda" else 256)
-    mm = MemoryManager(device)
-    state = build(mm, device, size)
-    reference = answer(state).clone()
-    snapshot = {name: p.detach().clone().cpu() for name, p in state["weights"].named_parameters()}
-    ok = True
-    table = Table(title=f"torpor.memory on {device}: per-tag MiB (awake / asleep / after wake)")
-    for col in ("cycle", *mm.tags(), "memory in use MiB", "sleep", "wake", "identical"):
+    console = Console(width=160) if not sys.stdout.isatty() else Console()
+    with console.status("preparing the model and starting the engine (the first run generates the tiny model)"):
+        llm = LLM(args.model, device=args.device, max_num_seqs=16, max_model_len=512)
+    device = str(llm.config.device)
+    console.print(f"engine on {device}: {llm.config.model}")
+    prompts, params = requests(llm)
+    timeline = Timeline(llm)
+    reference = llm.generate(prompts, params)
+    console.print(f"first answer: {prompts[0]!r} -> {reference[0].outputs[0].text!r}")
+    table = Table(title=f"torpor demo on {device}: per-tag MiB resident (awake / asleep / after wake)")
+    tags = list(llm.memory_usage()["tags"])
+    for col in ("cycle", *tags, "memory in use MiB" + (" (RSS)" if device == "cpu" else ""), "sleep", "wake",
+                "answers"):
         table.add_column(col, justify="right")
-    plans = {"level 1": {"weights": "offload", "runtime": "offload", "kv_cache": "discard", "workspace": "discard"},
-             "level 2": {"weights": "discard", "runtime": "offload", "kv_cache": "discard", "workspace": "discard"}}
-    for cycle, plan in plans.items():
-        before, used_before = mm.usage(), used(mm)
-        slept = mm.sleep(plan)
-        asleep, used_asleep = mm.usage(), used(mm)
-        woke = mm.wake()
-        if plan["weights"] == "discard":  # level 2: the weights come back from their source
-            start = time.perf_counter()
-            for name, p in state["weights"].named_parameters():
-                p.data.copy_(snapshot[name])
-            console.print(f"{cycle}: reloaded weights in {time.perf_counter() - start:.3f} s")
-        after, used_after = mm.usage(), used(mm)
-        same = torch.equal(answer(state), reference)
+    ok = True
+    for name, (level, wakes, reload) in CYCLES.items():
+        r = cycle(llm, level, wakes, reload, timeline)
+        same = not differences(reference, llm.generate(prompts, params))
         ok &= same
-        cells = [f"{before[t].resident_bytes / MiB:.0f} / {asleep[t].resident_bytes / MiB:.0f} / "
-                 f"{after[t].resident_bytes / MiB:.0f}" for t in mm.tags()]
-        table.add_row(cycle, *cells, f"{used_before / MiB:.0f} / {used_asleep / MiB:.0f} / {used_after / MiB:.0f}",
-                      f"{slept.seconds * 1e3:.0f} ms, {slept.copy_gbps:.1f} GB/s",
-                      f"{woke.seconds * 1e3:.0f} ms, {woke.copy_gbps:.1f} GB/s", "yes" if same else "NO")
+        cells = [f"{r['before']['tags'][t] / MiB:.1f} / {r['asleep']['tags'][t] / MiB:.1f} / "
+                 f"{r['after']['tags'][t] / MiB:.1f}" for t in tags]
+        table.add_row(name, *cells,
+                      f"{r['before']['device'] / MiB:.0f} / {r['asleep']['device'] / MiB:.0f} / "
+                      f"{r['after']['device'] / MiB:.0f}",
+                      _speed(r["sleep_s"], r["sleep_bytes"]), _speed(r["wake_s"], r["wake_bytes"]),
+                      "bit-identical" if same else "DIFFERENT")
+    timeline.mark("end")
     console.print(table)
+    sizes = ", ".join(f"{t} {u['allocated_bytes'] / MiB:.2f}" for t, u in llm.memory_usage()["tags"].items())
+    console.print(f"bytes in live tensors per tag (MiB): {sizes}")
+    if args.plot:
+        timeline.plot(args.plot, device)
+        console.print(f"memory plot written to {args.plot}")
     console.print("every answer bit-identical to the first" if ok else "[red]answers differ after a wake[/red]")
     return 0 if ok else 1
+
+
+def _speed(seconds: float, nbytes: int) -> str:
+    rate = f", {nbytes / seconds / 1e9:.1f} GB/s" if seconds > 0 and nbytes else ""
+    return f"{seconds * 1e3:.0f} ms{rate}"
