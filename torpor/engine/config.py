@@ -37,6 +37,9 @@ class EngineConfig:
     seed: int = 0                                # seeds unseeded requests (see Scheduler.add)
     tensor_parallel_size: int = 1
     num_kv_blocks: int | None = None             # filled by memory profiling
+    # Measurement only: start-up phases left outside their memory tag (e.g. ("runtime",) reproduces an
+    # engine that does not tag its runtime state, to show what tagging it saves).
+    untagged_phases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:

@@ -50,6 +50,7 @@ class ModelRunner:
         if memory is not None and memory.device != self.device:
             raise ValueError(f"the MemoryManager is on {memory.device}, the engine on {self.device}")
         self.memory = memory
+        self.config = config  # until profiling fills in the number of KV blocks
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
         on_gpu = self.device.type == "cuda"
@@ -72,7 +73,9 @@ class ModelRunner:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
 
     def _tag(self, name: str) -> contextlib.AbstractContextManager:
-        return self.memory.tag(name) if self.memory is not None else contextlib.nullcontext()
+        if self.memory is None or name in self.config.untagged_phases:
+            return contextlib.nullcontext()
+        return self.memory.tag(name)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:

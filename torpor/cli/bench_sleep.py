@@ -1,0 +1,166 @@
+"""`torpor bench sleep`: the engine's sleep mode measured in one run.
+
+For one model (default: the synthetic qwen3-8b geometry on GPU, the tiny model on CPU) with CUDA
+graphs: device memory awake and asleep, per tag, against the bare CUDA context; the same with the
+runtime state left untagged (an engine that does not tag it) to show the saving; sleep and wake
+seconds at levels 1 and 2 against bytes / measured pinned bandwidth; a full wake against a cold
+start of the same engine (load + profiling + graph capture); then the bit-exact harness
+(`--requests`, default 64) and a soak of `--soak-cycles` cycles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import torch
+
+MiB = 2**20
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sleep", help="sleep-mode memory, speed, bit-exactness and soak of the engine",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder or preset name (default: qwen3-8b on GPU, "
+                   "the tiny model on CPU); presets are generated into the cache on first use")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=64, help="requests in the bit-exact batch")
+    p.add_argument("--soak-cycles", type=int, default=20)
+    p.add_argument("--skip-untagged", action="store_true", help="skip the untagged-runtime comparison")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=run)
+
+
+def resolve_model(name: str | None, device: str) -> str:
+    from pathlib import Path
+
+    from torpor.engine.checkpoint import PRESETS, default_model_path
+    from torpor.env import Env
+
+    if name is None:
+        name = "qwen3-8b" if device.startswith("cuda") else None
+    if name is None:
+        return str(default_model_path())
+    if name not in PRESETS:
+        return name
+    from torpor.cli.bench_decode import checkpoint
+
+    return str(checkpoint(name, Path(Env.read().cache_dir) / "models"))
+
+
+def used_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+    from torpor.engine.sleep_harness import host_rss
+
+    return host_rss()
+
+
+def build(model: str, args: argparse.Namespace, **options):
+    from torpor.engine import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              **options)
+    return llm, time.perf_counter() - start
+
+
+def memory_figures(llm, device: str, level: int) -> dict:
+    """Device memory awake and asleep at `level`, per tag; leaves the engine awake."""
+    awake = llm.memory_usage()
+    report = llm.sleep(level)
+    asleep = llm.memory_usage()
+    start = time.perf_counter()
+    result = llm.wake_up()
+    if level == 2:
+        llm.reload_weights()
+    wake_s = time.perf_counter() - start
+    return dict(level=level, awake_mib=awake["device_used_bytes"] / MiB, asleep_mib=asleep["device_used_bytes"] / MiB,
+                sleep_s=report.seconds, sleep_copied_mib=report.bytes_copied / MiB, wake_s=wake_s,
+                wake_copied_mib=result.report.bytes_copied / MiB,
+                tags={t: dict(awake_mib=u["resident_bytes"] / MiB, reserved_mib=u["reserved_bytes"] / MiB)
+                      for t, u in awake["tags"].items()})
+
+
+def run(args: argparse.Namespace) -> int:
+    from torpor.cli.bench_memory import pinned_bandwidth
+    from torpor.engine.sleep_harness import fixed_requests, run_harness, soak
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    args.device = device
+    model = resolve_model(args.model, device)
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)
+    bare = used_bytes(device)
+    link = pinned_bandwidth(torch.device(device)) if device.startswith("cuda") else {}
+    results: dict = dict(model=model, device=device, bare_mib=bare / MiB, link_gbps=link)
+    if not args.skip_untagged:
+        llm, _ = build(model, args, untagged_phases=("runtime",))
+        results["untagged_runtime"] = memory_figures(llm, device, 1)
+        print(f"runtime untagged: asleep {results['untagged_runtime']['asleep_mib']:.0f} MiB", flush=True)
+        del llm
+        _release(device)
+    llm, cold_s = build(model, args)
+    results["cold_start_s"] = cold_s
+    for level in (1, 2):
+        results[f"level{level}"] = figures = memory_figures(llm, device, level)
+        print(f"level {level}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
+              f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
+    requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
+    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
+                          for s in run_harness(llm, requests)]
+    soaked = soak(llm, requests[:16], args.soak_cycles, log=print)
+    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles,
+                           device_slope_mib=soaked.slope(soaked.device_bytes),
+                           host_rss_slope_mib=soaked.slope(soaked.host_rss_bytes))
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
+    return 0 if exact else 1
+
+
+def report(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160) if not sys.stdout.isatty() else Console()
+    console.print(f"{r['model']} on {r['device']}; bare context {r['bare_mib']:.0f} MiB; pinned link {r['link_gbps']}")
+    table = Table(title="device memory per tag (MiB) and sleep/wake")
+    for col in ("case", "awake", "asleep", "asleep - bare", "sleep s", "copied MiB", "ideal s", "wake s",
+                "wake vs cold start"):
+        table.add_column(col, justify="right")
+    d2h = r["link_gbps"].get("d2h", 0)
+    for name in ("untagged_runtime", "level1", "level2"):
+        if name not in r:
+            continue
+        f = r[name]
+        ideal = f["sleep_copied_mib"] * MiB / (d2h * 1e9) if d2h else 0.0
+        over_bare = f["asleep_mib"] - r["bare_mib"]
+        ratio = f"{r['cold_start_s'] / f['wake_s']:.0f}x" if f["wake_s"] else "-"
+        table.add_row(name, f"{f['awake_mib']:.0f}", f"{f['asleep_mib']:.0f}", f"{over_bare:+.0f}",
+                      f"{f['sleep_s']:.3f}", f"{f['sleep_copied_mib']:.0f}", f"{ideal:.3f}",
+                      f"{f['wake_s']:.3f}", ratio)
+    console.print(table)
+    for tag, t in r["level1"]["tags"].items():
+        console.print(f"  {tag}: {t['awake_mib']:.1f} MiB resident awake")
+    for h in r["harness"]:
+        verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
+        console.print(f"harness {h['name']}: {verdict}")
+    s = r["soak"]
+    console.print(f"soak: {s['exact']}/{s['cycles']} cycles exact, device slope {s['device_slope_mib']:+.3f} "
+                  f"MiB/cycle, host RSS slope {s['host_rss_slope_mib']:+.3f} MiB/cycle")
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
