@@ -1,0 +1,269 @@
+"""`AsyncEngine`: one `LLMEngine` driven by one thread, awaited from asyncio.
+
+The engine thread is the only one that touches the engine. It runs every queued command (add or
+abort a request, sleep, wake, reload, read memory) between steps, and steps while there is work.
+Finished outputs and, for streaming requests, the tokens each step produced go back to the event
+loop with `call_soon_threadsafe`. A step that raises fails the requests it was serving (they get the
+error) and the thread goes on; a sleep or wake resolves only once it is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torpor.engine.outputs import RequestOutput, TokenLogprobs
+from torpor.engine.sampling_params import SamplingParams
+from torpor.engine.sequence import Sequence
+
+logger = logging.getLogger("torpor.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; nothing more can be served."""
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a streaming request gained since its last delta (logprobs None unless asked for)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    queue: asyncio.Queue
+    stream: bool
+    num_sent: int = 0  # output tokens already handed out as deltas
+
+
+_Command = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
+
+
+class AsyncEngine:
+    """Serves one `LLM` (whose engine it takes over: do not call the LLM's own methods meanwhile)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.config = llm.config
+        self.tokenizer = llm.tokenizer
+        self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._serving_event: asyncio.Event | None = None
+        self.dead: BaseException | None = None
+        # Written by the engine thread after every command, read by the loop.
+        self.serving = not self.engine.scheduler.paused
+        self.sleeping = self.engine.is_sleeping()
+
+    # ---- life cycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will await the engine."""
+        if self._thread is not None:
+            raise RuntimeError("the AsyncEngine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._serving_event = asyncio.Event()
+        if self.serving:
+            self._serving_event.set()
+        self._thread = threading.Thread(target=self._run, name="torpor-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is unfinished and end the engine thread (after its current step)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # ---- requests --------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       stream: bool = False) -> AsyncIterator[TokenDelta | RequestOutput]:
+        """Queue a request; yields `TokenDelta`s as tokens come (only with `stream`), then its final
+        `RequestOutput`. Raises ValueError if the engine rejects the request; closing the iterator
+        early aborts the request."""
+        request_queue: asyncio.Queue = asyncio.Queue()
+        try:
+            await self.call(self._add, request_id, prompt_token_ids, params, stream, request_queue)
+        except asyncio.CancelledError:  # the add still runs: abort after it (the inbox is FIFO)
+            self._submit(self._abort, request_id)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await request_queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = isinstance(item, RequestOutput)
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(self._abort, request_id)
+
+    async def wait_until_serving(self, timeout: float | None) -> bool:
+        """True once the engine serves (awake, weights valid); False after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._serving_event.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ---- control (each runs in the engine thread between steps) ------------------------
+    async def sleep(self, level: int = 1, running: str = "wait"):
+        return await self.call(self.engine.sleep, level, running)
+
+    async def wake_up(self, tags: list[str] | None = None):
+        return await self.call(self.engine.wake_up, tags)
+
+    async def reload_weights(self, path: str | None = None) -> None:
+        return await self.call(self.engine.reload_weights, path)
+
+    async def update_weights(self, named_tensors) -> int:
+        return await self.call(self.engine.update_weights, named_tensors)
+
+    async def is_sleeping(self) -> bool:
+        return await self.call(self.engine.is_sleeping)
+
+    async def memory_usage(self) -> dict:
+        return await self.call(self.engine.memory_usage)
+
+    async def stats(self) -> dict:
+        """Request counts and, with sleep mode, `memory_usage()`, read consistently between steps."""
+        return await self.call(self._stats)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` in the engine thread between steps; its result or exception."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine thread has stopped ({self.dead!r})")
+        future = self._loop.create_future()
+        self._inbox.put((fn, args, future))
+        return await future
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._inbox.put((fn, args, None))
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    while True:  # commands first: they are cheap, and a sleep must not wait behind work
+                        command = self._inbox.get(block=not self._has_work())
+                        if command is None:
+                            self._fail_all(EngineDeadError("the server is shutting down"))
+                            return
+                        self._execute(command)
+                except queue.Empty:
+                    pass
+                self._step()
+        except BaseException as exc:  # a bug in this loop: say so to everyone waiting, then stop
+            logger.exception("the engine thread died")
+            self.dead = exc
+            self._fail_all(EngineDeadError(f"the engine thread died: {exc!r}"))
+            self._post(self._serving_event.set)  # waiters for a wake get the error instead of hanging
+
+    def _has_work(self) -> bool:
+        return not self.engine.scheduler.paused and not self.engine.is_finished()
+
+    def _execute(self, command: _Command) -> None:
+        fn, args, future = command
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            error = exc
+        if self.engine.scheduler.paused:
+            self._step()  # hands out what a sleep finished (drained or aborted); runs nothing
+        self._publish_state()
+        if future is not None:
+            self._post(_resolve, future, result, error)
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests it was serving")
+            self._fail_all(exc)
+            return
+        deliveries: list[tuple[asyncio.Queue, Any]] = []
+        for output in finished:
+            tracked = self._tracked.pop(output.request_id, None)
+            if tracked is not None:
+                deliveries.append((tracked.queue, output))
+        for tracked in self._tracked.values():
+            seq = tracked.seq
+            if tracked.stream and seq.num_output_tokens > tracked.num_sent:
+                start, tracked.num_sent = tracked.num_sent, seq.num_output_tokens
+                logprobs = seq.output_logprobs[start:] if seq.sampling_params.logprobs is not None else None
+                deliveries.append((tracked.queue, TokenDelta(seq.output_token_ids[start:], logprobs)))
+        if deliveries:
+            self._post(_deliver, deliveries)
+
+    def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: bool,
+             request_queue: asyncio.Queue) -> None:
+        seq = self.engine.make_sequence(token_ids, params, request_id)
+        self.engine.add_sequence(seq)
+        self._tracked[request_id] = _Tracked(seq, request_queue, stream)
+
+    def _abort(self, request_id: str) -> None:
+        if self._tracked.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        deliveries = []
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort request %s", request_id)
+            deliveries.append((tracked.queue, error))
+        self._tracked.clear()
+        if deliveries:
+            self._post(_deliver, deliveries)
+
+    def _stats(self) -> dict:
+        scheduler = self.engine.scheduler
+        memory = self.engine.memory_usage() if self.engine.sleep_mode is not None else None
+        return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+                "serving": not scheduler.paused, "memory": memory}
+
+    def _publish_state(self) -> None:
+        self.sleeping = self.engine.is_sleeping()
+        serving = not self.engine.scheduler.paused
+        if serving != self.serving:
+            self.serving = serving
+            self._post(self._serving_event.set if serving else self._serving_event.clear)
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for request_queue, item in deliveries:
+        request_queue.put_nowait(item)

@@ -1,0 +1,42 @@
+"""`ServerConfig`: the server's own options (the engine's are `LLM` arguments)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """model_name: the id `/v1/models` lists and requests must name (or omit).
+    admin_token: bearer token of the control plane (sleep, wake, reload, memory); None turns it off.
+    api_key: bearer token the inference endpoints require; None leaves them open.
+    max_body_bytes: larger request bodies get 413.
+    max_tokens_cap: larger `max_tokens` get 400 (None: the engine's max_model_len).
+    asleep_timeout: seconds a request waits for a sleeping engine before 503 (None: waits until the
+        wake); a request can set its own with the `X-Asleep-Timeout` header."""
+
+    model_name: str
+    admin_token: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = MiB
+    max_tokens_cap: int | None = None
+    asleep_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        for name in ("admin_token", "api_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string or None")
+        for name in ("max_body_bytes", "max_tokens_cap"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        timeout = self.asleep_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not math.isfinite(timeout) or timeout < 0):
+            raise ValueError(f"asleep_timeout must be a finite number of seconds >= 0, got {timeout!r}")
