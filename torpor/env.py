@@ -24,10 +24,16 @@ class Env:
     wake_piece_mib: int
     # Where the embedded default model and other generated files are cached.
     cache_dir: str
+    # `torpor serve`: bearer token of the control plane (off when unset) and API key of the
+    # inference endpoints (open when unset); the --admin-token / --api-key options win.
+    admin_token: str | None
+    api_key: str | None
 
     @classmethod
     def read(cls) -> Env:
         return cls(
             wake_piece_mib=_int("TORPOR_WAKE_PIECE_MIB", 64),
             cache_dir=os.environ.get("TORPOR_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torpor"),
+            admin_token=os.environ.get("TORPOR_ADMIN_TOKEN") or None,
+            api_key=os.environ.get("TORPOR_API_KEY") or None,
         )

@@ -17,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     from torpor.cli import make_model
 
     make_model.add_parser(sub)
+    from torpor.cli import serve
+
+    serve.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks that print measured numbers")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from torpor.cli import bench_memory

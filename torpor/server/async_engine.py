@@ -10,6 +10,7 @@ error) and the thread goes on; a sleep or wake resolves only once it is complete
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -26,6 +27,10 @@ logger = logging.getLogger("torpor.server")
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; nothing more can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests it was serving were aborted (the engine thread goes on)."""
 
 
 @dataclass
@@ -55,6 +60,7 @@ class AsyncEngine:
         self.engine = llm.engine
         self.config = llm.config
         self.tokenizer = llm.tokenizer
+        self.vocab_size = self.engine.vocab_size
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -88,31 +94,17 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.dead is None
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       stream: bool = False) -> AsyncIterator[TokenDelta | RequestOutput]:
-        """Queue a request; yields `TokenDelta`s as tokens come (only with `stream`), then its final
-        `RequestOutput`. Raises ValueError if the engine rejects the request; closing the iterator
-        early aborts the request."""
-        request_queue: asyncio.Queue = asyncio.Queue()
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          stream: bool = False) -> RequestStream:
+        """Queue a request; raises ValueError if the engine rejects it. Iterate the returned stream for
+        `TokenDelta`s as tokens come (only with `stream`) and then the final `RequestOutput`."""
+        request_stream = RequestStream(self, request_id)
         try:
-            await self.call(self._add, request_id, prompt_token_ids, params, stream, request_queue)
+            await self.call(self._add, request_id, prompt_token_ids, params, stream, request_stream.queue)
         except asyncio.CancelledError:  # the add still runs: abort after it (the inbox is FIFO)
             self._submit(self._abort, request_id)
             raise
-        finished = False
-        try:
-            while True:
-                item = await request_queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = isinstance(item, RequestOutput)
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._submit(self._abort, request_id)
+        return request_stream
 
     async def wait_until_serving(self, timeout: float | None) -> bool:
         """True once the engine serves (awake, weights valid); False after `timeout` seconds."""
@@ -165,6 +157,7 @@ class AsyncEngine:
                         command = self._inbox.get(block=not self._has_work())
                         if command is None:
                             self._fail_all(EngineDeadError("the server is shutting down"))
+                            self._fail_commands(EngineDeadError("the server is shutting down"))
                             return
                         self._execute(command)
                 except queue.Empty:
@@ -174,6 +167,7 @@ class AsyncEngine:
             logger.exception("the engine thread died")
             self.dead = exc
             self._fail_all(EngineDeadError(f"the engine thread died: {exc!r}"))
+            self._fail_commands(EngineDeadError(f"the engine thread died: {exc!r}"))
             self._post(self._serving_event.set)  # waiters for a wake get the error instead of hanging
 
     def _has_work(self) -> bool:
@@ -197,7 +191,8 @@ class AsyncEngine:
             finished = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests it was serving")
-            self._fail_all(exc)
+            self._fail_all(EngineStepError(f"the engine failed while serving this request: "
+                                           f"{type(exc).__name__}: {exc}"))
             return
         deliveries: list[tuple[asyncio.Queue, Any]] = []
         for output in finished:
@@ -235,6 +230,16 @@ class AsyncEngine:
         if deliveries:
             self._post(_deliver, deliveries)
 
+    def _fail_commands(self, error: BaseException) -> None:
+        """Answer every command still queued with `error` (the thread is ending)."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None and command[2] is not None:
+                self._post(_resolve, command[2], None, error)
+
     def _stats(self) -> dict:
         scheduler = self.engine.scheduler
         memory = self.engine.memory_usage() if self.engine.sleep_mode is not None else None
@@ -249,10 +254,38 @@ class AsyncEngine:
             self._post(self._serving_event.set if serving else self._serving_event.clear)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is waiting any more
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is waiting any more
-            pass
+
+
+class RequestStream:
+    """The results of one queued request. `abort()` (idempotent) ends it early; call it in a `finally`."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[TokenDelta | RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = isinstance(item, RequestOutput)
+            yield item
+
+    async def result(self) -> RequestOutput:
+        """The final output (deltas, if any, are skipped)."""
+        async for item in self:
+            if isinstance(item, RequestOutput):
+                return item
+        raise EngineDeadError(f"request {self.request_id} ended without an output")
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._submit(self.engine._abort, self.request_id)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -40,9 +40,14 @@ def engine_error(exc: BaseException) -> APIError:
     request the engine's state forbids (e.g. reload while the weights sleep) is a conflict (409),
     anything else (device memory, a bug) is a server error (500) that leaves the server running."""
     from torpor.memory import TorporMemoryError
+    from torpor.server.async_engine import EngineDeadError, EngineStepError
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ValueError | TypeError | FileNotFoundError):
         return APIError(400, str(exc))
     if isinstance(exc, RuntimeError) and not isinstance(exc, TorporMemoryError):
@@ -78,6 +83,8 @@ def validation_error(errors: list[dict]) -> APIError:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object, sent with 'Content-Type: application/json'")
     if first.get("type") == "missing":
         return APIError(400, f"missing required field {param!r}", param=param)
     return APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)

@@ -1,0 +1,18 @@
+"""torpor.server: an OpenAI-compatible HTTP server with a sleep/wake control plane (`torpor serve`).
+
+    from torpor.engine import LLM
+    from torpor.server import ServerConfig, build_app
+    app = build_app(LLM(), ServerConfig(model_name="tiny", admin_token="secret"))   # serve with uvicorn
+
+Inference: /v1/completions, /v1/chat/completions (both streaming), /v1/models, /health, /metrics.
+Control (admin bearer token; off without one): POST /sleep?level=N&mode=wait|abort,
+POST /wake_up?tags=..., GET /is_sleeping, POST /reload_weights, GET /memory, POST /collective_rpc,
+POST /release_memory_occupation, POST /resume_memory_occupation.
+"""
+
+from torpor.server.app import ServerState, build_app
+from torpor.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, TokenDelta
+from torpor.server.config import ServerConfig
+
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServerConfig", "ServerState", "TokenDelta",
+           "build_app"]
