@@ -3,11 +3,10 @@ stop conditions, preemption, and input errors."""
 
 import pytest
 import torch
+import transformers
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.checkpoint import make_model
-
-transformers = pytest.importorskip("transformers")
 
 ARCHS = ("tiny", "tiny-llama", "tiny-qwen2")
 ATOL = 1e-4  # fp32 logprobs of the same model computed two ways

@@ -22,7 +22,7 @@ def test_make_model_writes_the_same_checkpoint_as_the_library(tmp_path, capsys):
 
 
 def test_bench_decode_runs_end_to_end_on_cpu(tmp_path, capsys):
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401 - required by these tests
     out = tmp_path / "bench.json"
     argv = ["bench", "decode", "--device", "cpu", "--models", "tiny", "--throughput-model", "tiny-qwen2",
             "--cache-dir", str(tmp_path / "models"), "--prompt-len", "8", "--decode-tokens", "16",

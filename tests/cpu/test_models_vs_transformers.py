@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import transformers
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
@@ -9,8 +10,6 @@ from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.layers.rotary import compute_inv_freq
-
-transformers = pytest.importorskip("transformers")
 
 ARCHS = {"tiny": "Qwen3ForCausalLM", "tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM"}
 BLOCK_SIZE = 4

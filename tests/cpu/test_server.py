@@ -11,19 +11,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import fastapi  # noqa: F401 - required by these tests
+import httpx
+import openai
 import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("fastapi")
-
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from torpor.cli.serve import bind_socket  # noqa: E402
-from torpor.engine import LLM  # noqa: E402
-from torpor.engine.tokenizer import Tokenizer  # noqa: E402
-from torpor.server import ServerConfig, build_app  # noqa: E402
+from torpor.cli.serve import bind_socket
+from torpor.engine import LLM
+from torpor.engine.tokenizer import Tokenizer
+from torpor.server import ServerConfig, build_app
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=16, block_size=4)
 ADMIN, API_KEY, MODEL = "admin-secret", "user-key", "tiny"

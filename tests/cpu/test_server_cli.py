@@ -9,12 +9,11 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
+import uvicorn  # noqa: F401 - required by these tests
 
 from torpor.cli.main import main
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("uvicorn")
 
 
 def test_help_explains_every_option(capsys):
