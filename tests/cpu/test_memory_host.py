@@ -243,3 +243,25 @@ def test_bench_memory_command_runs_and_reports_identical():
     result = subprocess.run([sys.executable, "-m", "torpor", *command], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "yes" in result.stdout and "NO" not in result.stdout
+
+
+def test_reserve_host_makes_the_copies_ahead_of_the_first_sleep(tmp_path):
+    mm = MemoryManager("cpu", backup_dir=str(tmp_path), max_host_bytes=8 * MiB)
+    with mm.tag("w"):
+        w = torch.randn(MiB)  # 4 MiB
+    with mm.tag("big"):
+        big = torch.ones(4 * MiB)  # 16 MiB: over the host budget
+    assert mm.usage()["w"].host_backup_bytes == 0
+    assert mm.reserve_host(["w"]) >= 4 * MiB
+    backups = [s.backup for s in mm._backend.of_tag("w")]
+    assert mm.usage()["w"].host_backup_bytes >= 4 * MiB
+    with pytest.raises(HostMemoryError, match="max_host_bytes"):
+        mm.reserve_host(["big"])
+    assert mm.usage()["big"].host_backup_bytes == 0
+    with pytest.raises(ValueError, match="unknown tag"):
+        mm.reserve_host(["nope"])
+    ref = w.clone()
+    mm.sleep({"w": "offload"})
+    assert [s.backup for s in mm._backend.of_tag("w")] == backups  # the sleep used the reserved copies
+    mm.wake()
+    assert torch.equal(w, ref) and float(big[0]) == 1.0

@@ -118,6 +118,9 @@ class HostBackend(SegmentStore):
             raise HostMemoryError(f"no room for a {need:.1f} MiB offload in {self.backup_dir} ({exc}); "
                                   "nothing was released") from None
 
+    def _backup_need(self, segment: HostChunk) -> int:
+        return segment.high_water  # only the live bytes are written
+
     def backup_size(self, segment: Segment) -> int:
         return os.fstat(segment.backup).st_size
 

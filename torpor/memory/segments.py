@@ -129,6 +129,14 @@ class SegmentStore(ABC):
             self.asleep.difference_update(plan)
             return reports
 
+    def reserve(self, tags: list[str]) -> int:
+        """Make now the host buffers an offload of `tags` will need; returns the bytes they hold."""
+        with self.lock:
+            segs = [s for tag in tags for s in self.of_tag(tag) if s.resident and s.backup is None]
+            self._check_host_budget(segs)
+            self._reserve_backups(segs)  # raises HostMemoryError having freed what it made
+            return sum(self.backup_size(s) for s in segs)
+
     def drop_copies(self, tag: str) -> int:
         """Forget the host copy of a sleeping tag (it becomes discarded); returns bytes freed."""
         with self.lock:
@@ -151,12 +159,16 @@ class SegmentStore(ABC):
     def _check_host_budget(self, offload: list[Segment]) -> None:
         if self.max_host_bytes is None:
             return
-        new = sum(s.size for s in offload if s.backup is None)
+        new = sum(self._backup_need(s) for s in offload if s.backup is None)
         held = self.host_backup_bytes()
         if held + new > self.max_host_bytes:
             raise HostMemoryError(
                 f"offload needs {new / 2**20:.0f} MiB more host memory; {held / 2**20:.0f} MiB are held "
                 f"and max_host_bytes is {self.max_host_bytes / 2**20:.0f} MiB; nothing was released")
+
+    def _backup_need(self, segment: Segment) -> int:
+        """Host bytes a new backup of `segment` will take."""
+        return segment.size
 
     # ---- device primitives -------------------------------------------------------------
     @abstractmethod
