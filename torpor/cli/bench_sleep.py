@@ -76,6 +76,7 @@ def memory_figures(llm, device: str, level: int) -> dict:
     awake = llm.memory_usage()
     report = llm.sleep(level)
     asleep = llm.memory_usage()
+    audit = llm.memory.audit()  # what stays while asleep: the default pool, and outside any allocator
     start = time.perf_counter()
     result = llm.wake_up()
     if level == 2:
@@ -84,6 +85,8 @@ def memory_figures(llm, device: str, level: int) -> dict:
     return dict(level=level, awake_mib=awake["device_used_bytes"] / MiB, asleep_mib=asleep["device_used_bytes"] / MiB,
                 sleep_s=report.seconds, sleep_copied_mib=report.bytes_copied / MiB, wake_s=wake_s,
                 wake_copied_mib=result.report.bytes_copied / MiB,
+                asleep_tagged_mib=audit.tagged_bytes / MiB, asleep_untagged_pool_mib=audit.untagged_bytes / MiB,
+                asleep_other_mib=(audit.other_bytes or 0) / MiB,
                 tags={t: dict(awake_mib=u["resident_bytes"] / MiB, reserved_mib=u["reserved_bytes"] / MiB)
                       for t, u in awake["tags"].items()})
 
@@ -150,6 +153,10 @@ def report(r: dict) -> None:
                       f"{f['sleep_s']:.3f}", f"{f['sleep_copied_mib']:.0f}", f"{ideal:.3f}",
                       f"{f['wake_s']:.3f}", ratio)
     console.print(table)
+    f = r["level1"]
+    console.print(f"asleep at level 1: {f['asleep_tagged_mib']:.0f} MiB still mapped in tags, "
+                  f"{f['asleep_untagged_pool_mib']:.0f} MiB in PyTorch's default pool (e.g. cuBLAS workspaces), "
+                  f"{f['asleep_other_mib']:.0f} MiB outside any allocator (context, streams, kernel code)")
     for tag, t in r["level1"]["tags"].items():
         console.print(f"  {tag}: {t['awake_mib']:.1f} MiB resident awake")
     for h in r["harness"]:
