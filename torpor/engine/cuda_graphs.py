@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from torpor.engine.inputs import DecodeBuffers
+from torpor.env import Env
 
 
 @functools.cache
@@ -17,7 +18,16 @@ def capture_stream(device_index: int) -> torch.cuda.Stream:
     stream for the life of the process, made by the first GEMM on it: the warm-up makes it outside the
     graph pool (so no other code's captures ever use memory of the engine's sleepable pool), and one
     shared stream keeps it to one workspace however many engines come and go."""
-    return torch.cuda.Stream(device=device_index)
+    if not Env.read().driver_capture_stream:
+        return torch.cuda.Stream(device=device_index)
+    from torpor.memory import cuda_driver
+
+    with torch.cuda.device(device_index):
+        handle = cuda_driver.stream_create()
+    stream = torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", device_index))
+    # torch.cuda.graph() makes a default capture stream the first time, through PyTorch's stream pool.
+    torch.cuda.graph.default_capture_stream = stream
+    return stream
 
 
 def run_decode(model: nn.Module, buffers: DecodeBuffers, batch_size: int, max_context_len: int) -> torch.Tensor:
