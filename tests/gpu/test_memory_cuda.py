@@ -335,3 +335,23 @@ def test_clean_interpreter_exit(asleep):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "done"
     assert result.stderr.strip() == ""
+
+
+def test_reserve_host_pins_the_copies_before_the_first_sleep():
+    mm = MemoryManager("cuda", max_host_bytes=96 * MiB)
+    with mm.tag("w"):
+        w = torch.randn(16 * MiB, device="cuda")  # 64 MiB
+    with mm.tag("big"):
+        big = torch.randn(32 * MiB, device="cuda")  # 128 MiB: over the budget
+    assert mm.reserve_host(["w"]) >= 64 * MiB
+    buffers = [s.backup for s in mm._backend.of_tag("w")]
+    assert all(b.kind == "pinned" for b in buffers)
+    with pytest.raises(HostMemoryError, match="max_host_bytes"):
+        mm.reserve_host(["big"])
+    assert mm.usage()["big"].host_backup_bytes == 0
+    ref = w.clone()
+    mm.sleep({"w": "offload"})
+    assert [s.backup for s in mm._backend.of_tag("w")] == buffers
+    mm.wake()
+    assert torch.equal(w, ref) and big.isfinite().all()
+    mm.close()
