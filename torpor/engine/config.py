@@ -35,7 +35,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9          # fraction of device memory the engine may use
     enforce_eager: bool = False                  # True: never capture CUDA graphs
     seed: int = 0                                # seeds unseeded requests (see Scheduler.add)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1               # ranks (processes, one device each) the model is split over
+    tp_timeout_s: float = 600.0                  # tensor parallel: a worker silent this long counts as hung
     num_kv_blocks: int | None = None             # filled by memory profiling
     # Measurement only: start-up phases left outside their memory tag (e.g. ("runtime",) reproduces an
     # engine that does not tag its runtime state, to show what tagging it saves).
@@ -69,6 +70,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs})")
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, int | float) \
+                or not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be a number > 0, got {self.tp_timeout_s!r}")
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, int | float) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")

@@ -12,6 +12,7 @@ from torch import nn
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.config import EngineConfig
+from torpor.engine.distributed import tp_size
 from torpor.engine.models.config import ModelConfig
 from torpor.engine.sampler import Sampler, compute_prompt_logprobs
 from torpor.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -23,8 +24,8 @@ _MIN_GRAPH_RESERVE = 256 << 20  # GPU: kept free for the CUDA-graph pool (decode
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers."""
-    per_token = 2 * model_config.num_hidden_layers * model_config.kv_size * dtype.itemsize
+    """Bytes of one KV block across all layers (this rank's kv heads under tensor parallelism)."""
+    per_token = 2 * model_config.num_hidden_layers * (model_config.kv_size // tp_size()) * dtype.itemsize
     return block_size * per_token
 
 
@@ -32,8 +33,8 @@ def allocate_kv_cache(model: nn.Module, model_config: ModelConfig, num_blocks: i
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeroed cache of `num_blocks` blocks (the scratch block included), bound to the model's layers.
     Zeroed, not empty: the CPU decode path reads whole blocks and masks after the matmul."""
-    shape = (model_config.num_hidden_layers, 2, num_blocks, block_size, model_config.num_key_value_heads,
-             model_config.head_dim)
+    num_kv_heads = model_config.num_key_value_heads // tp_size()  # this rank's kv heads
+    shape = (model_config.num_hidden_layers, 2, num_blocks, block_size, num_kv_heads, model_config.head_dim)
     kv_cache = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]

@@ -27,12 +27,17 @@ class LLM:
     cuda_graph). With `enable_sleep_mode` (default) and no `memory`, the LLM makes its own manager;
     `sleep`, `wake_up`, `reload_weights`, `update_weights` and `memory_usage` need one. Further keyword
     arguments are `EngineConfig` fields (block_size, max_num_batched_tokens, num_kv_blocks, ...).
+
+    `tensor_parallel_size=N` splits the model over N processes (rank 0 is this one; on GPU, rank r uses
+    the device r places after `device`), see docs/tensor-parallel.md; `worker_memory_options` then maps a
+    worker rank to its MemoryManager's keyword arguments (rank 0 uses `memory`). Call `close()` to stop
+    the workers (interpreter exit does it too).
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,
-                 **engine_options) -> None:
+                 worker_memory_options: dict[int, dict] | None = None, **engine_options) -> None:
         from torpor.engine.checkpoint import default_model_path
 
         path = str(model if model is not None else default_model_path())
@@ -40,8 +45,6 @@ class LLM:
         unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
         if unknown:
             raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
-        if engine_options.get("tensor_parallel_size", 1) != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
         config = EngineConfig(
             model=path,
             dtype=_dtype_name(dtype),
@@ -57,8 +60,8 @@ class LLM:
             from torpor.memory import MemoryManager
 
             memory = MemoryManager(config.device)
-        self.memory = memory
-        self.engine = LLMEngine(config, memory)
+        self.engine = LLMEngine(config, memory, worker_memory_options)
+        self.memory = self.engine.memory  # under tensor parallelism: sleep and wake reach every rank
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         # One engine, many threads: steps, sleeps and wakes take turns; generate waits while asleep.
@@ -146,6 +149,11 @@ class LLM:
     def memory_usage(self) -> dict:
         with self._lock:
             return self.engine.memory_usage()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op on one device)."""
+        with self._lock:
+            self.engine.close()
 
 
 def _prompt_list(prompts) -> list[Prompt]:

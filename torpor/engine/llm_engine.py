@@ -22,9 +22,16 @@ from torpor.memory import Report
 class LLMEngine:
     """Tokenizer, scheduler and model runner; detokenizes outputs and applies stop strings."""
 
-    def __init__(self, config: EngineConfig, memory=None) -> None:
+    def __init__(self, config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None) -> None:
+        """`worker_memory_options` (tensor parallel only): rank -> MemoryManager kwargs of that worker."""
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.model_runner = ModelRunner(config, memory)
+        if config.tensor_parallel_size > 1:
+            from torpor.engine.parallel_runner import ParallelModelRunner
+
+            self.model_runner = ParallelModelRunner(config, memory, worker_memory_options)
+            memory = self.model_runner.memory  # sleep and wake reach every rank
+        else:
+            self.model_runner = ModelRunner(config, memory)
         self.memory = memory
         self.sleep_mode = SleepMode(memory) if memory is not None else None
         self._pending: list[RequestOutput] = []  # finished outside `step` (drained or aborted by a sleep)
@@ -83,6 +90,12 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        close = getattr(self.model_runner, "close", None)
+        if close is not None:
+            close()
+
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run it, record the tokens; returns the requests finished by this step
@@ -108,7 +121,12 @@ class LLMEngine:
             return None
         if mode.level is None or mode.level == 0:
             self._settle_running(running)
-        report = self.memory.sleep(plan) if plan else None
+        try:
+            report = self.memory.sleep(plan) if plan else None
+        except BaseException:
+            if mode.level is None:
+                self.scheduler.resume()  # the failed sleep left every tag awake: serve again
+            raise
         self.scheduler.pause()
         mode.after_sleep(level)
         if self.model_runner.device.type == "cuda" and plan:

@@ -24,6 +24,7 @@ import torch
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
 from torpor.engine.config import EngineConfig
 from torpor.engine.cuda_graphs import CudaGraphRunner, run_decode
+from torpor.engine.distributed import min_over_ranks, tp_size
 from torpor.engine.inputs import DecodeBuffers, prepare_prefill
 from torpor.engine.kv_cache import (
     PROMPT_LOGPROBS_CHUNK,
@@ -49,6 +50,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         if memory is not None and memory.device != self.device:
             raise ValueError(f"the MemoryManager is on {memory.device}, the engine on {self.device}")
+        if tp_size() != config.tensor_parallel_size:
+            raise RuntimeError(f"this process is rank of a tensor-parallel group of {tp_size()}, the engine wants "
+                               f"{config.tensor_parallel_size}: close() the tensor-parallel engine first")
         self.memory = memory
         self.config = config  # until profiling fills in the number of KV blocks
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -63,7 +67,8 @@ class ModelRunner:
         with self._tag("weights"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
             load_weights(self.model, config.model)
-        self.config = config.with_num_kv_blocks(self._num_kv_blocks(config))
+        # Under tensor parallelism every rank must hold the blocks the scheduler (on rank 0) hands out.
+        self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
         self.graphs: CudaGraphRunner | None = None
         # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
         # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.
@@ -96,8 +101,9 @@ class ModelRunner:
         from torpor.engine.attention.triton_decode import decode_workspace_shape
 
         m = self.model_config
-        return decode_workspace_shape(config.max_num_seqs, m.num_attention_heads, m.num_key_value_heads,
-                                      m.head_dim, config.max_num_blocks_per_seq, config.block_size, self.device)[0]
+        return decode_workspace_shape(config.max_num_seqs, m.num_attention_heads // tp_size(),
+                                      m.num_key_value_heads // tp_size(), m.head_dim,
+                                      config.max_num_blocks_per_seq, config.block_size, self.device)[0]
 
     def _allocate_runtime(self) -> None:
         config, m = self.config, self.model_config
@@ -114,7 +120,8 @@ class ModelRunner:
 
             with self._tag("workspace"):
                 self.backend.workspace = alloc_decode_workspace(
-                    config.max_num_seqs, m.num_attention_heads, m.num_key_value_heads, m.head_dim,
+                    config.max_num_seqs, m.num_attention_heads // tp_size(), m.num_key_value_heads // tp_size(),
+                    m.head_dim,
                     config.max_num_blocks_per_seq, config.block_size, self.device)
             if not config.enforce_eager:
                 with torch.inference_mode():
@@ -137,8 +144,12 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         """Run one scheduled batch and sample the next token of each sequence. A prefill also fills
         `seq.prompt_logprobs` of the sequences that asked for them (once, at their first prefill)."""
-        logits = self._prefill(seqs) if is_prefill else self._decode(seqs)
-        return self.sampler(logits, seqs)
+        return self.sampler(self.compute_logits(seqs, is_prefill), seqs)
+
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """The batch's forward pass up to the logits [num_seqs, vocab_size] (what tensor-parallel
+        workers run; call under inference mode)."""
+        return self._prefill(seqs) if is_prefill else self._decode(seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         batch = prepare_prefill(seqs, self.config.block_size, self.device)

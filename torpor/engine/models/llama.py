@@ -12,8 +12,8 @@ from torpor.engine.attention.metadata import AttentionBackend, AttentionMetadata
 from torpor.engine.models.config import ModelConfig
 from torpor.engine.models.layers.activation import SiluAndMul
 from torpor.engine.models.layers.attention import Attention
-from torpor.engine.models.layers.embedding import VocabEmbedding
-from torpor.engine.models.layers.linear import Linear, MergedLinear, QKVLinear
+from torpor.engine.models.layers.embedding import VocabEmbedding, gather_logits
+from torpor.engine.models.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from torpor.engine.models.layers.norm import RMSNorm
 from torpor.engine.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -21,12 +21,14 @@ from torpor.engine.models.layers.rotary import RotaryEmbedding, apply_rotary
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.q_size, self.kv_size = config.head_dim, config.q_size, config.kv_size
         self.qkv_proj = QKVLinear(
-            config.hidden_size, config.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias
+            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            config.qkv_bias,
         )
-        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_proj_bias)
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim, (self.q_size, self.kv_size, _) = config.head_dim, self.qkv_proj.output_sizes
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_proj_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
@@ -49,7 +51,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +118,8 @@ class LlamaForCausalLM(nn.Module):
         max_positions = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.model = LlamaModel(config, backend, max_positions)
         # Tied embeddings: no separate head, the logits reuse the embedding table.
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, shard="column")
+        self.lm_head = head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden_size]."""
@@ -125,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return gather_logits(F.linear(hidden, weight)).float()  # vocab-sharded under tensor parallelism
 
     def reset_buffers(self) -> None:
         """Recompute the buffers that checkpoints do not hold (the RoPE table), in place."""

@@ -1,0 +1,118 @@
+"""Tensor parallelism over two CPU processes (gloo): outputs equal one process, the bit-exact sleep/wake
+harness at TP=2, a sleep failing on one rank rolled back everywhere, a killed worker reported.
+
+Logprobs are compared with TP=1 within LOGPROB_TOLERANCE: the row-parallel layers sum partial products
+in another order than one GEMM does, so results differ in the last bits (fp32). Within TP=2, every
+sleep/wake round must equal TP=2's own first round exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from torpor.engine import LLM, SamplingParams
+from torpor.engine.sleep_harness import differences, fixed_requests, run_harness, run_round
+from torpor.engine.worker import RankError, WorkerDiedError
+from torpor.memory import HostMemoryError
+
+LOGPROB_TOLERANCE = 1e-4  # fp32, 2 layers, 2 ranks: observed differences are ~1e-6
+OPTIONS = dict(device="cpu", max_num_seqs=16, max_model_len=128)
+
+
+def _greedy_requests(vocab_size: int) -> list:
+    requests = fixed_requests(8, vocab_size, seed=1, max_prompt=40, max_tokens=10)
+    return [(p, SamplingParams(temperature=0.0, max_tokens=sp.max_tokens, logprobs=2, prompt_logprobs=2,
+                               ignore_eos=True)) for p, sp in requests]
+
+
+def _close_all(outputs_a, outputs_b) -> None:
+    for a, b in zip(outputs_a, outputs_b, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert lp_a.keys() == lp_b.keys()
+            assert all(abs(lp_a[t] - lp_b[t]) < LOGPROB_TOLERANCE for t in lp_a)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_model_path):
+    """TP=1 outputs, made before any tensor-parallel engine exists (one process group per process)."""
+    llm = LLM(tiny_model_path, enable_sleep_mode=False, **OPTIONS)
+    requests = _greedy_requests(llm.engine.vocab_size)
+    return requests, run_round(llm, requests)
+
+
+@pytest.fixture(scope="class")
+def tp_llm(tiny_model_path, greedy_reference):
+    """Closed when TestTwoRanks ends: the other tests build their own engines (one group per process)."""
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, **OPTIONS)
+    yield llm
+    llm.close()
+
+
+class TestTwoRanks:
+
+    def test_kv_cache_is_sharded_by_kv_heads(self, tp_llm):
+        assert tp_llm.engine.model_runner.kv_cache.shape[-2] == 1  # tiny: 2 kv heads over 2 ranks
+
+    def test_greedy_outputs_equal_one_rank(self, tp_llm, greedy_reference):
+        requests, reference = greedy_reference
+        _close_all(reference, run_round(tp_llm, requests))
+
+    def test_one_rank_engine_is_refused_while_open(self, tp_llm, tiny_model_path):
+        with pytest.raises(RuntimeError, match="close\\(\\) the tensor-parallel engine first"):
+            LLM(tiny_model_path, enable_sleep_mode=False, **OPTIONS)
+
+    def test_bit_exact_after_every_kind_of_wake(self, tp_llm):
+        requests = fixed_requests(12, tp_llm.engine.vocab_size, max_prompt=32, max_tokens=8)
+        results = run_harness(tp_llm, requests, log=lambda line: None)
+        assert len(results) == 6
+        assert [s.name for s in results if s.mismatches] == []
+
+
+def test_indivisible_heads_are_rejected_before_starting(tiny_model_path):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible"):
+        LLM(tiny_model_path, tensor_parallel_size=3, **OPTIONS)
+
+
+def test_sleep_failing_on_one_rank_leaves_every_rank_awake(tiny_model_path):
+    # Rank 1 may hold only 4 KiB of host copies: offloading its weights fails there, for real.
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, worker_memory_options={1: {"max_host_bytes": 4096}},
+              **OPTIONS)
+    try:
+        requests = fixed_requests(6, llm.engine.vocab_size, max_prompt=24, max_tokens=6)
+        before = run_round(llm, requests)
+        for level in (1, 2):  # level 2 discards the weights: the roll-back reloads them
+            with pytest.raises(RankError, match="rank 1: HostMemoryError") as error:
+                llm.sleep(level)
+            assert error.value.rank == 1 and isinstance(error.value.cause, HostMemoryError)
+            assert not llm.is_sleeping() and not llm.memory.is_sleeping()
+            assert differences(before, run_round(llm, requests)) == []
+    finally:
+        llm.close()
+
+
+def test_killed_worker_is_reported_not_a_hang(tiny_model_path):
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, tp_timeout_s=30.0, **OPTIONS)
+    try:
+        worker = llm.engine.model_runner.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        start = time.perf_counter()
+        with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+, exit code -9\)"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+        with pytest.raises(WorkerDiedError, match="unusable"):
+            llm.sleep(1)
+        assert time.perf_counter() - start < 10
+    finally:
+        llm.close()
+    assert not worker.is_alive()
+
+
+def test_close_stops_the_workers(tiny_model_path):
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, **OPTIONS)
+    processes = llm.engine.model_runner.workers.processes
+    llm.close()
+    assert [p.exitcode for p in processes] == [0]

@@ -1,0 +1,117 @@
+"""Rank 0 of a tensor-parallel engine: a ModelRunner here plus the workers (ranks 1..N-1), behind the
+interface `LLMEngine` already uses (`run`, `reload_weights`, `update_weights`, and a memory whose
+`sleep` / `wake` reach every rank). Rank 0 schedules and samples; the other ranks only run forward passes.
+
+Every command goes to the workers first, then runs here, then waits for all replies, so it returns when
+every rank finished; a failure on any rank raises that rank's error (`RankError`, with its rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from torpor.engine.config import EngineConfig
+from torpor.engine.distributed import check_divisible
+from torpor.engine.model_runner import ModelRunner
+from torpor.engine.models import ModelConfig
+from torpor.engine.sampler import SamplerOutput
+from torpor.engine.sequence import Sequence
+from torpor.engine.worker import RankError, WorkerGroup
+
+
+class ParallelModelRunner:
+    """`memory` is rank 0's MemoryManager (None: no sleep mode on any rank). `worker_memory_options`:
+    rank -> MemoryManager keyword arguments of that worker (e.g. a per-rank `max_host_bytes`)."""
+
+    def __init__(self, config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None) -> None:
+        check_divisible(ModelConfig.from_pretrained(config.model), config.tensor_parallel_size)
+        options = None if memory is None else (worker_memory_options or {})
+        self.workers = WorkerGroup(config, options)
+        try:
+            self.local = ModelRunner(config, memory)  # meets the workers' start-up in its collectives
+            _, errors = self.workers.collect("start-up")
+            if errors:
+                raise errors[min(errors)]
+        except BaseException:
+            self.workers.close()
+            raise
+        self.config, self.model_config, self.device = self.local.config, self.local.model_config, self.local.device
+        self.memory = None if memory is None else ParallelMemory(memory, self)
+
+    @property
+    def kv_cache(self):
+        """Rank 0's KV cache (its kv heads)."""
+        return self.local.kv_cache
+
+    def on_all_ranks(self, what: str, args: tuple, local: Callable,
+                     ranks: list[int] | None = None) -> tuple[object, dict[int, BaseException]]:
+        """Send `what` to the workers, run `local()` here, wait for everyone. Returns rank 0's result
+        and the errors by rank (rank 0's included); a dead or silent worker raises WorkerDiedError."""
+        self.workers.send(what, *args, ranks=ranks)
+        result, errors = None, {}
+        try:
+            result = local()
+        except Exception as e:
+            errors[0] = e
+        try:
+            _, worker_errors = self.workers.collect(what, ranks)
+        except RuntimeError as died:
+            raise died from errors.get(0)
+        errors.update(worker_errors)
+        return result, errors
+
+    def _everywhere(self, what: str, args: tuple, local: Callable):
+        result, errors = self.on_all_ranks(what, args, local)
+        if errors:
+            raise errors[min(errors)]  # rank 0's own exception as is, a worker's as a RankError
+        return result
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+        return self._everywhere("run", (seqs, is_prefill), lambda: self.local.run(seqs, is_prefill))
+
+    def reload_weights(self, path: str) -> None:
+        self._everywhere("reload_weights", (path,), lambda: self.local.reload_weights(path))
+
+    def update_weights(self, named_tensors, strict: bool) -> int:
+        """Every rank receives every tensor (it keeps its shard): the tensors are gathered in host memory."""
+        tensors = [(name, tensor.cpu()) for name, tensor in named_tensors]
+        return self._everywhere("update_weights", (tensors, strict), lambda: self.local.update_weights(tensors, strict))
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+class ParallelMemory:
+    """Rank 0's MemoryManager for every query; `sleep` and `wake` act on every rank. A sleep that fails
+    on any rank is rolled back on the others (they wake again), so no rank stays half asleep."""
+
+    def __init__(self, local, runner: ParallelModelRunner) -> None:
+        self.local, self.runner = local, runner
+
+    def __getattr__(self, name: str):
+        return getattr(self.local, name)
+
+    def sleep(self, actions: Mapping[str, str]):
+        awake_before = [t for t in actions if not self.local.is_sleeping(t)]
+        report, errors = self.runner.on_all_ranks("sleep", (actions,), lambda: self.local.sleep(actions))
+        if errors:
+            self._roll_back(awake_before, actions)
+            first = min(errors)
+            raise errors[first] if first else RankError(0, errors[0])
+        return report
+
+    def _roll_back(self, tags: list[str], actions: Mapping[str, str]) -> None:
+        """Wake what the failed sleep put to sleep (ranks where it failed left everything awake); weights
+        it discarded come back from the checkpoint."""
+        self.runner.on_all_ranks("wake", (tags,), lambda: self.local.wake(tags))
+        if "weights" in tags and str(actions["weights"]) == "discard":
+            self.runner.reload_weights(self.runner.config.model)
+
+    def wake(self, tags=None):
+        """Wake on every rank. A failure raises (retry: tags already awake are skipped)."""
+        tags = None if tags is None else list(tags)
+        report, errors = self.runner.on_all_ranks("wake", (tags,), lambda: self.local.wake(tags))
+        if errors:
+            first = min(errors)
+            raise errors[first] if first else RankError(0, errors[0])
+        return report
