@@ -78,28 +78,44 @@ def checksum(tensors: list[torch.Tensor]) -> int:
     return int(sum(t.view(torch.int64).sum() for t in tensors))
 
 
+def measure_cycles(engine: str, device: torch.device, tensors: list[torch.Tensor], cycles: int, bare: int,
+                   sleep, wake) -> list[dict]:
+    """`cycles` rounds of sleep() then wake(), each returning (seconds, GB/s); memory read around them
+    and the data checked after every wake."""
+    total, reference = sum(t.numel() for t in tensors), checksum(tensors)
+    rows = []
+    for cycle in range(cycles):
+        sync(device)
+        awake = device_used(device)
+        sleep_s, offload_gbps = sleep()
+        asleep = device_used(device)
+        wake_s, restore_gbps = wake()
+        rows.append(dict(engine=engine, workload=f"{len(tensors)} x {total // len(tensors) // MiB} MiB",
+                         cycle=cycle + 1, offload_gbps=offload_gbps, restore_gbps=restore_gbps, sleep_s=sleep_s,
+                         wake_s=wake_s, awake_mib=awake / MiB, asleep_mib=asleep / MiB,
+                         after_mib=device_used(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
+                         identical=checksum(tensors) == reference))
+    return rows
+
+
 def bench_torpor(device: torch.device, total: int, count: int, cycles: int, bare: int) -> list[dict]:
     from torpor.memory import MemoryManager
 
     mm = MemoryManager(device)
     with mm.tag("bench"):
         tensors = make_tensors(device, total, count)
-    reference = checksum(tensors)
-    rows = []
-    for cycle in range(cycles):
-        sync(device)
-        awake = device_used(device)
-        slept = mm.sleep({"bench": "offload"})
+
+    def sleep() -> tuple[float, float]:
+        report = mm.sleep({"bench": "offload"})
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the checksums' scratch in the default pool is not the workload
-        asleep = device_used(device)
-        woke = mm.wake()
-        ok = checksum(tensors) == reference
-        rows.append(dict(engine="torpor", workload=f"{count} x {total // count // MiB} MiB", cycle=cycle + 1,
-                         offload_gbps=slept.copy_gbps, restore_gbps=woke.copy_gbps,
-                         sleep_s=slept.seconds, wake_s=woke.seconds, awake_mib=awake / MiB,
-                         asleep_mib=asleep / MiB, after_mib=device_used(device) / MiB,
-                         asleep_over_bare_mib=(asleep - bare) / MiB, identical=ok))
+        return report.seconds, report.copy_gbps
+
+    def wake() -> tuple[float, float]:
+        report = mm.wake()
+        return report.seconds, report.copy_gbps
+
+    rows = measure_cycles("torpor", device, tensors, cycles, bare, sleep, wake)
     del tensors
     mm.close()
     if device.type == "cuda":
@@ -111,25 +127,16 @@ def bench_tms(tms, device: torch.device, total: int, count: int, cycles: int, ba
     """The same workload through torch_memory_saver with CPU backup (run in a child process)."""
     with tms.region(tag="bench", enable_cpu_backup=True):
         tensors = make_tensors(device, total, count)
-    reference = checksum(tensors)
-    rows = []
-    for cycle in range(cycles):
-        sync(device)
-        awake = device_used(device)
+
+    def timed(call) -> tuple[float, float]:
         start = time.perf_counter()
-        tms.pause("bench")
+        call("bench")
         sync(device)
-        pause_s = time.perf_counter() - start
-        asleep = device_used(device)
-        start = time.perf_counter()
-        tms.resume("bench")
-        sync(device)
-        resume_s = time.perf_counter() - start
-        rows.append(dict(engine="torch_memory_saver", workload=f"{count} x {total // count // MiB} MiB",
-                         cycle=cycle + 1, offload_gbps=total / pause_s / 1e9, restore_gbps=total / resume_s / 1e9,
-                         sleep_s=pause_s, wake_s=resume_s, awake_mib=awake / MiB, asleep_mib=asleep / MiB,
-                         after_mib=device_used(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
-                         identical=checksum(tensors) == reference))
+        seconds = time.perf_counter() - start
+        return seconds, total / seconds / 1e9
+
+    rows = measure_cycles("torch_memory_saver", device, tensors, cycles, bare,
+                          lambda: timed(tms.pause), lambda: timed(tms.resume))
     _KEEP.append(tensors)  # freeing region memory aborts torch_memory_saver 0.0.10 in torch hook mode
     return rows
 
