@@ -24,10 +24,6 @@ class Env:
     wake_piece_mib: int
     # Where the embedded default model and other generated files are cached.
     cache_dir: str
-    # torpor.engine: capture CUDA graphs on a stream made through the driver, and give it to
-    # torch.cuda.graph as its default capture stream, so PyTorch never builds its stream pool
-    # (+70 MiB of device memory, measured) -- off until the asleep residue is measured both ways.
-    driver_capture_stream: bool
     # `torpor serve`: bearer token of the control plane (off when unset) and API key of the
     # inference endpoints (open when unset); the --admin-token / --api-key options win.
     admin_token: str | None
@@ -38,7 +34,6 @@ class Env:
         return cls(
             wake_piece_mib=_int("TORPOR_WAKE_PIECE_MIB", 64),
             cache_dir=os.environ.get("TORPOR_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torpor"),
-            driver_capture_stream=_int("TORPOR_DRIVER_CAPTURE_STREAM", 0) != 0,
             admin_token=os.environ.get("TORPOR_ADMIN_TOKEN") or None,
             api_key=os.environ.get("TORPOR_API_KEY") or None,
         )

@@ -1,8 +1,10 @@
 """Owns the model, the KV cache and every other device buffer; runs one scheduled batch per call.
 
-Start-up happens in phases, each inside its memory tag (`memory.tag(...)`, or no scope without a
-MemoryManager), so every persistent buffer lands where sleep mode expects it:
+Every kernel runs on the engine's own stream (engine_stream.py). Start-up happens in phases, each
+inside its memory tag (`memory.tag(...)`, or no scope without a MemoryManager), so every persistent
+buffer lands where sleep mode expects it:
 
+    workspace    GPU: the stream's cuBLAS / cuBLASLt workspaces (made first, before any GEMM)
     weights      build_model + load_weights (parameters and the RoPE table)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state, and nested in it:
@@ -10,14 +12,13 @@ MemoryManager), so every persistent buffer lands where sleep mode expects it:
     workspace    GPU: the Triton decode workspace
     cuda_graph   GPU: the pool of the decode CUDA graphs
 
-Steps allocate only temporaries, outside every tag. Left untagged on purpose: cuBLAS's per-stream
-workspaces (made by the first GEMM on a stream and kept by PyTorch for the life of the process; other
-code in the process may use them while the engine sleeps).
+Steps allocate only temporaries, outside every tag (the engine's sleep empties PyTorch's cache of them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -25,6 +26,7 @@ from torpor.engine.attention.torch_backend import TorchAttentionBackend
 from torpor.engine.config import EngineConfig
 from torpor.engine.cuda_graphs import CudaGraphRunner, run_decode
 from torpor.engine.distributed import min_over_ranks, tp_size
+from torpor.engine.engine_stream import EngineStream
 from torpor.engine.inputs import DecodeBuffers, prepare_prefill
 from torpor.engine.kv_cache import (
     PROMPT_LOGPROBS_CHUNK,
@@ -57,6 +59,14 @@ class ModelRunner:
         self.config = config  # until profiling fills in the number of KV blocks
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        self.engine_stream = EngineStream(self.device)
+        # Stream and workspaces go when the runner does (after the graphs that use them).
+        self._finalizer = weakref.finalize(self, self.engine_stream.close)
+        self._finalizer.atexit = False  # no CUDA calls while the interpreter shuts down
+        with self.engine_stream.scope():
+            self._start(config)
+
+    def _start(self, config: EngineConfig) -> None:
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             from torpor.engine.attention.triton_backend import TritonAttentionBackend
@@ -64,6 +74,9 @@ class ModelRunner:
             self.backend = TritonAttentionBackend()
         else:
             self.backend = TorchAttentionBackend()
+        if on_gpu:
+            with self._tag("workspace"):
+                self.engine_stream.make_blas_workspaces(self.dtype)  # before any other GEMM on the stream
         with self._tag("weights"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
             load_weights(self.model, config.model)
@@ -76,6 +89,12 @@ class ModelRunner:
         self._allocate_runtime()
         if on_gpu:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
+
+    def close(self) -> None:
+        """Free the graphs, then the engine's stream and its cuBLAS workspaces (also done when the
+        runner is collected). The runner cannot run afterwards."""
+        self.graphs = None
+        self._finalizer()
 
     def _tag(self, name: str) -> contextlib.AbstractContextManager:
         if self.memory is None or name in self.config.untagged_phases:
@@ -131,12 +150,14 @@ class ModelRunner:
     # ---- weights -----------------------------------------------------------------------------
     def reload_weights(self, path: str) -> None:
         """The checkpoint at `path` into the existing parameters (same addresses: graphs stay valid)."""
-        load_weights(self.model, path)
+        with self.engine_stream.scope():
+            load_weights(self.model, path)
 
     def update_weights(self, named_tensors, strict: bool) -> int:
         """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table."""
-        count = load_named_tensors(self.model, named_tensors, strict=strict)
-        self.model.reset_buffers()
+        with self.engine_stream.scope():
+            count = load_named_tensors(self.model, named_tensors, strict=strict)
+            self.model.reset_buffers()
         return count
 
     # ---- steps -----------------------------------------------------------------------------
@@ -144,11 +165,16 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         """Run one scheduled batch and sample the next token of each sequence. A prefill also fills
         `seq.prompt_logprobs` of the sequences that asked for them (once, at their first prefill)."""
-        return self.sampler(self.compute_logits(seqs, is_prefill), seqs)
+        with self.engine_stream.scope():
+            return self.sampler(self._compute_logits(seqs, is_prefill), seqs)
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The batch's forward pass up to the logits [num_seqs, vocab_size] (what tensor-parallel
         workers run; call under inference mode)."""
+        with self.engine_stream.scope():
+            return self._compute_logits(seqs, is_prefill)
+
+    def _compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         return self._prefill(seqs) if is_prefill else self._decode(seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""Where the device memory that stays while the engine sleeps comes from (GPU only).
+
+Part 1 adds one CUDA feature at a time to a bare context and prints what each costs (mem_get_info).
+Part 2 starts the engine (tiny model, graphs), sleeps it at level 1 and tries, one by one, the
+releases a sleeping engine could make: cuBLAS workspaces, the default pool, the stack reservation.
+
+    python scripts/probe_residue.py --part features|engine [--model PATH_OR_PRESET]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+MiB = 2**20
+
+
+def used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class Meter:
+    def __init__(self) -> None:
+        self.last = used()
+
+    def __call__(self, what: str) -> None:
+        now = used()
+        reserved = torch.cuda.memory_reserved() / MiB
+        print(f"  {what:<58} {(now - self.last) / MiB:+8.1f} MiB  (used {now / MiB:8.1f}, default pool {reserved:.0f})",
+              flush=True)
+        self.last = now
+
+
+def stack_limit(value: int | None = None) -> int:
+    from torpor.memory.cuda_driver import check, driver
+
+    d = driver()
+    if value is not None:
+        check("cuCtxSetLimit", d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE, value))
+    return int(check("cuCtxGetLimit", d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE)))
+
+
+def features() -> None:
+    print("part 1: features on a bare context")
+    torch.zeros(1, device="cuda")
+    meter = Meter()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    meter("two 32 MiB tensors (expected +64)")
+    b = a @ a
+    meter("first bf16 matmul on the default stream (cuBLAS handle + workspace)")
+    torch.nn.functional.linear(a, a, a[0])
+    meter("linear with bias (cuBLASLt)")
+    s = torch.cuda.Stream()
+    meter("first torch.cuda.Stream() (PyTorch's stream pool)")
+    with torch.cuda.stream(s):
+        b = a @ a
+    torch.cuda.synchronize()
+    meter("matmul on that stream (second cuBLAS workspace)")
+    from torpor.memory import cuda_driver
+
+    cuda_driver.stream_create()
+    meter("driver-made stream")
+    x = torch.randn(64, 151936, device="cuda")
+    torch.multinomial(torch.softmax(x, -1), 1)
+    torch.topk(x, 20)
+    torch.sort(x, dim=-1)
+    meter("sampler-like ops (softmax, multinomial, topk, sort)")
+    del a, b, x
+    torch.cuda.empty_cache()
+    meter("free tensors + empty_cache")
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    meter("clear cuBLAS workspaces + empty_cache")
+    print(f"  stack limit {stack_limit()} B/thread")
+
+
+def engine(model: str) -> None:
+    from torpor.engine import LLM, SamplingParams
+
+    print(f"part 2: the engine ({model}), asleep at level 1")
+    torch.zeros(1, device="cuda")
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    before = used()
+    llm = LLM(model, device="cuda", max_num_seqs=64, max_model_len=2048)
+    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
+    print(f"  awake: +{(used() - before) / MiB:.0f} MiB over the process before start-up; "
+          f"stack limit {stack_limit()} B/thread")
+    llm.sleep(1)
+    audit = llm.memory.audit()
+    print(f"  asleep: +{(used() - before) / MiB:.0f} MiB; audit: tagged {audit.tagged_bytes / MiB:.1f}, "
+          f"default pool {audit.untagged_bytes / MiB:.1f}, outside allocators {(audit.other_bytes or 0) / MiB:.1f} MiB")
+    live_untagged_blocks(llm)
+    meter = Meter()
+    torch.cuda.empty_cache()
+    meter("empty_cache")
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    meter("clear cuBLAS workspaces + empty_cache")
+    stack_limit(1024)
+    meter("stack limit back to 1024 B")
+    torch.cuda.synchronize()
+    print(f"  memory_stats: {torch.cuda.memory_stats().get('reserved_bytes.all.current', 0) / MiB:.1f} MiB reserved")
+
+
+def pinning(gib: float = 8.0) -> None:
+    """Seconds to pin `gib` GiB of host memory: cuMemHostAlloc against mmap + transparent huge pages +
+    parallel first touch + cuMemHostRegister; and to free each."""
+    import ctypes
+    import mmap
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torpor.memory.cuda_driver import check, driver, host_alloc_pinned, host_free_pinned
+
+    size = int(gib * 2**30)
+    torch.zeros(1, device="cuda")
+    d = driver()
+    start = time.perf_counter()
+    ptr = host_alloc_pinned(size)
+    alloc_s = time.perf_counter() - start
+    start = time.perf_counter()
+    host_free_pinned(ptr)
+    free_s = time.perf_counter() - start
+    print(f"  cuMemHostAlloc {gib:.0f} GiB: {alloc_s:.2f} s ({gib / alloc_s:.1f} GiB/s), free {free_s:.2f} s")
+    for threads in (1, 8, 16):
+        start = time.perf_counter()
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        anchor = ctypes.c_char.from_buffer(m)
+        base = ctypes.addressof(anchor)
+        m.madvise(14)  # MADV_HUGEPAGE
+        step = size // threads
+        with ThreadPoolExecutor(threads) as pool:  # ctypes.memset releases the GIL
+            list(pool.map(ctypes.memset, [base + i * step for i in range(threads)], [0] * threads, [step] * threads))
+        touched = time.perf_counter() - start
+        check("cuMemHostRegister", d.cuMemHostRegister(base, size, 0))
+        total = time.perf_counter() - start
+        start = time.perf_counter()
+        check("cuMemHostUnregister", d.cuMemHostUnregister(base))
+        del anchor
+        m.close()
+        print(f"  mmap+THP+{threads} threads touch+register {gib:.0f} GiB: {total:.2f} s ({gib / total:.1f} GiB/s; "
+              f"touch {touched:.2f} s), unregister+unmap {time.perf_counter() - start:.2f} s")
+
+
+def live_untagged_blocks(llm, top: int = 12) -> None:
+    """The live blocks in segments of no tag, largest first, with where they were allocated."""
+    tagged = set(llm.memory._backend.segments)
+    blocks, holding = [], {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if seg["address"] in tagged:
+            continue
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in block.get("frames", [])
+                          if "torpor" in f["filename"] or "torch/nn" in f["filename"]][:4]
+                blocks.append((block["size"], seg["total_size"], frames))
+                holding[seg["address"]] = seg["total_size"]
+    print(f"  live blocks outside tags: {len(blocks)}, {sum(b[0] for b in blocks) / MiB:.1f} MiB "
+          f"in segments of {sum(holding.values()) / MiB:.1f} MiB")
+    for size, seg_size, frames in sorted(blocks, key=lambda b: -b[0])[:top]:
+        where = " <- ".join(frames) or "(no python frame)"
+        print(f"    {size / MiB:8.2f} MiB (segment {seg_size / MiB:.0f} MiB) {where}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--part", choices=("features", "engine", "pinning"), required=True,
+                        help="run each in its own process")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a GPU", file=sys.stderr)
+        return 2
+    from torpor.cli.bench_sleep import resolve_model
+
+    if args.part == "features":
+        features()
+    elif args.part == "pinning":
+        pinning()
+    else:
+        engine(resolve_model(args.model, "cuda"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The fused layer kernels (layers/fused.py), run on CPU tensors by Triton's interpreter, against the model
+code's own ops (their references). On CPU the references use PyTorch's CPU kernels (Sleef's expf, a
+vectorized sum) and the interpreter numpy's, so where a last fp32 bit differs a 16-bit result may be 1 ulp
+off; tests/gpu/test_fused.py asserts the exact matches on CUDA."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    # Interpreter mode is process-wide and would turn the compiled kernels of tests/gpu into interpreted ones.
+    pytest.skip("the interpreter tests run on machines without CUDA; tests/gpu covers it", allow_module_level=True)
+# Triton's interpreter runs kernels on CPU tensors; the variable is read when triton is first imported.
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.cdiv, InterpretedFunction):
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 could be set: run this file in its own pytest process",
+        allow_module_level=True,
+    )
+
+from torpor.engine.models.layers import fused  # noqa: E402
+from torpor.engine.models.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-6
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place between two 16-bit float tensors of one dtype."""
+    keys = []
+    for t in (a, b):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        keys.append(torch.where(bits < 0, -(bits & 0x7FFF), bits))  # sign-magnitude -> monotonic integers
+    return (keys[0] - keys[1]).abs()
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, *, exact: bool = False, max_ulp: int = 1) -> None:
+    """exact: bit for bit. Otherwise fp32 within 1e-5 of max |ref|; 16-bit at most `max_ulp` ulp, in < 1%."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.numel() == 0:
+        return
+    if exact:
+        assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} elements differ"
+    elif out.dtype == torch.float32:
+        scale = ref.abs().max().clamp_min(1e-30)
+        assert ((out - ref).abs().max() / scale).item() <= 1e-5
+    else:
+        ulps = ulp_distance(out, ref)
+        assert ulps.max().item() <= max_ulp, f"{ulps.max().item()} ulp"
+        assert (ulps > 0).float().mean().item() < 0.01, f"{(ulps > 0).sum().item()} of {out.numel()} differ"
+
+
+def assert_heads_match(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> None:
+    """Norm then rotary, 16-bit: a 1-ulp difference left by the norm is rotated into outputs that may be much
+    smaller than their inputs, so the error is measured in ulps of the head's largest value: at most 1, in < 1%."""
+    if out.dtype == torch.float32 or out.numel() == 0:
+        assert_matches(out, ref)
+        return
+    assert (out != ref).float().mean().item() < 0.01, f"{(out != ref).sum().item()} of {out.numel()} differ"
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[out.dtype]
+    out, ref = (t.reshape(t.shape[0], -1, head_dim).float() for t in (out, ref))
+    head_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(-1, keepdim=True))) - mantissa_bits)
+    assert ((out - ref).abs() <= head_ulp).all(), f"{((out - ref).abs() / head_ulp).max().item()} head ulp"
+
+
+def random_rows(num_rows: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(num_rows, hidden, generator=g).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    return 3 * x, residual, weight  # the residual stream is larger than one layer's output in real models
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_rows", "hidden"), [(0, 64), (1, 64), (7, 1000), (2, 4096)])
+def test_add_rms_norm(dtype, num_rows, hidden):
+    x, residual, weight = random_rows(num_rows, hidden, dtype, seed=num_rows)
+    x_in, residual_in = x.clone(), residual.clone()
+    out, residual_out = fused.add_rms_norm(x, residual, weight, EPS)
+    ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
+    assert torch.equal(residual_out, x + residual)  # one rounding of the fp32 sum, as PyTorch's add
+    assert_matches(residual_out, ref_residual, exact=True)
+    assert_matches(out, ref)
+    assert torch.equal(x, x_in) and torch.equal(residual, residual_in)  # inputs are left alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_rows", "hidden"), [(0, 64), (1, 64), (7, 1000)])
+def test_rms_norm(dtype, num_rows, hidden):
+    x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows)
+    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS))
+
+
+def test_norm_of_strided_rows():
+    x, residual, weight = random_rows(5, 96, torch.bfloat16, seed=3)
+    wide = torch.zeros(5, 256, dtype=torch.bfloat16)
+    wide[:, 7:103] = x
+    x_view = wide[:, 7:103]  # rows 256 elements apart
+    out, residual_out = fused.add_rms_norm(x_view, residual, weight, EPS)
+    ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
+    assert_matches(out, ref)
+    assert torch.equal(residual_out, ref_residual)
+
+
+def qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    rotary = RotaryEmbedding(head_dim, max_positions=4096, theta=1e6, scaling=None)
+    cos_sin = rotary(torch.randint(0, 4096, (num_tokens,), generator=g))
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)] if norm else [None, None]
+    return qkv, cos_sin, *weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "norm"),
+    [
+        (32, 8, 128, True),  # Qwen3-8B: q/k norm
+        (32, 8, 128, False),  # Llama 3.1 8B: rotary only
+        (14, 2, 64, False),  # Qwen2.5-0.5B-like, q + k heads not a power of two
+        (6, 2, 80, True),  # head_dim whose half is not a power of two
+    ],
+)
+def test_qk_norm_rope(dtype, num_tokens, num_heads, num_kv_heads, head_dim, norm):
+    qkv, cos_sin, q_weight, k_weight = qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed=1)
+    out, ref = qkv.clone(), qkv.clone()
+    args = (cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight, EPS)
+    assert fused.qk_norm_rope_(out, *args) is None
+    fused.qk_norm_rope_reference(ref, *args)
+    v_start = (num_heads + num_kv_heads) * head_dim
+    assert torch.equal(out[:, v_start:], qkv[:, v_start:])  # v untouched
+    if norm:
+        assert_heads_match(out[:, :v_start], ref[:, :v_start], head_dim)
+    else:
+        assert_matches(out[:, :v_start], ref[:, :v_start], exact=True)  # rotary alone: the same fp32 products
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_rows", "intermediate"), [(0, 64), (1, 64), (7, 1000)])
+def test_silu_and_mul(dtype, num_rows, intermediate):
+    g = torch.Generator().manual_seed(num_rows)
+    gate_up = (4 * torch.randn(num_rows, 2 * intermediate, generator=g)).to(dtype)
+    out, ref = fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up)
+    # numpy's expf and PyTorch CPU's (Sleef) can differ in the last fp32 bit: at most 1 ulp after rounding here
+    assert_matches(out, ref)
+
+
+def test_rejects_bad_inputs():
+    x, residual, weight = random_rows(2, 64, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="residual must match x"):
+        fused.add_rms_norm(x, residual.float(), weight, EPS)
+    with pytest.raises(ValueError, match="weight must be"):
+        fused.rms_norm(x, weight.float(), EPS)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        fused.rms_norm(x.t().contiguous().t(), weight, EPS)
+    qkv, cos_sin, q_weight, _ = qkv_case(2, 4, 2, 64, torch.bfloat16, norm=True, seed=0)
+    with pytest.raises(ValueError, match="go together"):
+        fused.qk_norm_rope_(qkv, cos_sin, 4, 2, 64, q_weight, None, EPS)
+    with pytest.raises(ValueError, match=r"qkv must be \[T, 1024\]"):
+        fused.qk_norm_rope_(qkv, cos_sin, 4, 2, 64 * 2, None, None, EPS)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        fused.silu_and_mul(x[:, :63])
+
+
+def test_not_available_on_cpu_tensors():
+    assert not fused.fused_available(torch.zeros(1))
+
+
+def test_import_does_not_import_triton():
+    # Every model imports fused; triton is imported only when a kernel is first used.
+    code = "import sys, torpor.engine.models.layers.fused; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,172 @@
+"""The compiled fused layer kernels (layers/fused.py) on a CUDA device, against the model code's own ops:
+bit for bit where the math is the same (silu_and_mul, rotary, the residual add), within 1 ulp in < 1% of
+elements for the norms (their sum of squares is reduced in another order); CUDA-graph replay."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from torpor.engine.models.layers import fused  # noqa: E402
+from torpor.engine.models.layers.rotary import RotaryEmbedding  # noqa: E402
+
+if not fused._load_triton():
+    pytest.skip("triton cannot be imported", allow_module_level=True)
+if isinstance(fused._rms_norm_kernel, InterpretedFunction):
+    pytest.skip(
+        "TRITON_INTERPRET is set in this process (the CPU interpreter tests set it): "
+        "run tests/gpu in its own pytest process",
+        allow_module_level=True,
+    )
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-6
+DEVICE = "cuda"
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place between two 16-bit float tensors of one dtype."""
+    keys = []
+    for t in (a, b):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        keys.append(torch.where(bits < 0, -(bits & 0x7FFF), bits))  # sign-magnitude -> monotonic integers
+    return (keys[0] - keys[1]).abs()
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, *, exact: bool = False) -> None:
+    """exact: bit for bit. Otherwise fp32 within 1e-5 of max |ref|; 16-bit at most 1 ulp off, in < 1%."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.numel() == 0:
+        return
+    if exact:
+        assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} elements differ"
+    elif out.dtype == torch.float32:
+        assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    else:
+        ulps = ulp_distance(out, ref)
+        assert ulps.max().item() <= 1, f"{ulps.max().item()} ulp"
+        assert (ulps > 0).float().mean().item() < 0.01, f"{(ulps > 0).sum().item()} of {out.numel()} differ"
+
+
+def assert_heads_match(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> None:
+    """Norm then rotary, 16-bit: a 1-ulp difference left by the norm is rotated into outputs that may be much
+    smaller than their inputs, so the error is measured in ulps of the head's largest value: at most 1, in < 1%."""
+    if out.dtype == torch.float32 or out.numel() == 0:
+        assert_matches(out, ref)
+        return
+    assert (out != ref).float().mean().item() < 0.01, f"{(out != ref).sum().item()} of {out.numel()} differ"
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[out.dtype]
+    out, ref = (t.reshape(t.shape[0], -1, head_dim).float() for t in (out, ref))
+    head_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(-1, keepdim=True))) - mantissa_bits)
+    assert ((out - ref).abs() <= head_ulp).all(), f"{((out - ref).abs() / head_ulp).max().item()} head ulp"
+
+
+def random_rows(num_rows: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    x, residual = (torch.randn(num_rows, hidden, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g, device=DEVICE)).to(dtype)
+    return 3 * x, residual, weight
+
+
+NORM_SHAPES = [(0, 64), (1, 64), (7, 1000), (1, 4096), (256, 4096), (3, 16384)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_rows", "hidden"), NORM_SHAPES)
+def test_add_rms_norm(dtype, num_rows, hidden):
+    x, residual, weight = random_rows(num_rows, hidden, dtype, seed=num_rows)
+    out, residual_out = fused.add_rms_norm(x, residual, weight, EPS)
+    ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
+    assert torch.equal(residual_out, x + residual)
+    assert_matches(residual_out, ref_residual, exact=True)
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_rows", "hidden"), NORM_SHAPES)
+def test_rms_norm(dtype, num_rows, hidden):
+    x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows)
+    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS))
+
+
+def qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed):
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=g, device=DEVICE).to(dtype)
+    rotary = RotaryEmbedding(head_dim, max_positions=32768, theta=1e6, scaling=None).to(DEVICE)
+    cos_sin = rotary(torch.randint(0, 32768, (num_tokens,), generator=g, device=DEVICE))
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g, device=DEVICE)).to(dtype) for _ in range(2)]
+    return qkv, cos_sin, *(weights if norm else [None, None])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 256])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "norm"),
+    [
+        (32, 8, 128, True),  # Qwen3-8B
+        (16, 8, 128, True),  # Qwen3-0.6B
+        (32, 8, 128, False),  # Llama 3.1 8B
+        (14, 2, 64, False),  # Qwen2.5-0.5B-like
+        (6, 2, 80, True),  # head_dim whose half is not a power of two
+    ],
+)
+def test_qk_norm_rope(dtype, num_tokens, num_heads, num_kv_heads, head_dim, norm):
+    qkv, cos_sin, q_weight, k_weight = qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed=1)
+    out, ref = qkv.clone(), qkv.clone()
+    args = (cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight, EPS)
+    fused.qk_norm_rope_(out, *args)
+    fused.qk_norm_rope_reference(ref, *args)
+    v_start = (num_heads + num_kv_heads) * head_dim
+    assert torch.equal(out[:, v_start:], qkv[:, v_start:])  # v untouched
+    if norm:
+        assert_heads_match(out[:, :v_start], ref[:, :v_start], head_dim)
+    else:
+        assert_matches(out[:, :v_start], ref[:, :v_start], exact=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_rows", "intermediate"), [(0, 64), (1, 64), (7, 1000), (1, 12288), (256, 12288)])
+def test_silu_and_mul(dtype, num_rows, intermediate):
+    g = torch.Generator(DEVICE).manual_seed(num_rows)
+    gate_up = (4 * torch.randn(num_rows, 2 * intermediate, generator=g, device=DEVICE)).to(dtype)
+    # libdevice's expf and an IEEE division: the same fp32 silu as PyTorch's kernel, so bit for bit
+    assert_matches(fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up), exact=True)
+
+
+def test_fused_available():
+    assert fused.fused_available(torch.zeros(1, device=DEVICE, dtype=torch.bfloat16))
+    assert not fused.fused_available(torch.zeros(1))
+    assert not fused.fused_available(torch.zeros(1, device=DEVICE, dtype=torch.int32))
+
+
+def test_cuda_graph_replay():
+    x, residual, weight = random_rows(1, 4096, torch.bfloat16, seed=0)
+    qkv, cos_sin, q_weight, k_weight = qkv_case(1, 32, 8, 128, torch.bfloat16, norm=True, seed=0)
+    gate_up = torch.randn(1, 2 * 12288, device=DEVICE).bfloat16()
+    qkv_in = qkv.clone()
+
+    def step():
+        qkv.copy_(qkv_in)
+        fused.qk_norm_rope_(qkv, cos_sin, 32, 8, 128, q_weight, k_weight, EPS)
+        return (*fused.add_rms_norm(x, residual, weight, EPS), fused.silu_and_mul(gate_up), qkv)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    for seed in (1, 2):
+        new_x, new_residual, _ = random_rows(1, 4096, torch.bfloat16, seed=seed)
+        x.copy_(new_x)
+        residual.copy_(new_residual)
+        gate_up.normal_()
+        qkv_in.normal_()
+        graph.replay()
+        replayed = [t.clone() for t in outputs]  # the eager step below rewrites qkv in place
+        for got, want in zip(replayed, step(), strict=True):
+            assert torch.equal(got, want)

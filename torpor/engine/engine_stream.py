@@ -1,0 +1,71 @@
+"""The engine's own CUDA stream: every kernel of one engine (loading, profiling, steps, graph capture)
+runs on it.
+
+Why not PyTorch's current stream: cuBLAS gets one workspace per (handle, stream) from PyTorch's caching
+allocator on the first GEMM of a stream, and PyTorch keeps it for the life of the process. On the
+engine's stream that first GEMM runs inside the `workspace` memory tag, so the workspaces sleep and wake
+with the engine (captured graphs hold their address: the tag comes back at the same one). The stream is
+made through the driver: PyTorch's first `torch.cuda.Stream()` builds its whole stream pool (+70 MiB of
+device memory, measured on an H200), which would stay while the engine sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+class EngineStream:
+    """A driver-made stream of `device`, or nothing on CPU (every method is then a no-op)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._handle = None
+        self.stream: torch.cuda.ExternalStream | None = None
+        if device.type == "cuda":
+            from torpor.memory import cuda_driver
+
+            with torch.cuda.device(device):
+                torch.zeros(1, device=device)  # the primary context exists and is current
+                self._handle = cuda_driver.stream_create()
+            self.stream = torch.cuda.ExternalStream(int(self._handle), device=device)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Run the block on the engine's stream, ordered after the caller's pending work; the caller's
+        stream then waits for the block's work (tensors handed in or out are safe to use)."""
+        if self.stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            caller.wait_stream(self.stream)
+
+    def make_blas_workspaces(self, dtype: torch.dtype) -> None:
+        """The stream's cuBLAS and cuBLASLt workspaces, made now (call inside the memory tag that should
+        hold them): a GEMM and a GEMM with a bias epilogue, in the model's dtype."""
+        if self.stream is None:
+            return
+        with self.scope():
+            a = torch.ones(16, 16, device=self.device, dtype=dtype)
+            F.linear(a, a)
+            F.linear(a, a, a[0])
+
+    def close(self) -> None:
+        """Drop PyTorch's cached cuBLAS workspaces (the engine's live in its memory tags, which are
+        going away; PyTorch makes new ones for other streams on their next GEMM) and destroy the stream."""
+        if self._handle is None:
+            return
+        from torpor.memory import cuda_driver
+
+        torch.cuda.synchronize(self.device)
+        torch._C._cuda_clearCublasWorkspaces()
+        cuda_driver.stream_destroy(self._handle)
+        self._handle, self.stream = None, None
