@@ -29,6 +29,9 @@ from torpor.engine.models.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-6
+# The norms reduce their sum of squares in another order than PyTorch, so the normalized value h * rsqrt(...)
+# can come out 1 ulp off after rounding; times a weight of |w| < 1 that is up to 2 ulp of the (smaller) output.
+NORM_ULP = 2
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -58,7 +61,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, *, exact: bool = False,
 
 def assert_heads_match(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> None:
     """Norm then rotary, 16-bit: a 1-ulp difference left by the norm is rotated into outputs that may be much
-    smaller than their inputs, so the error is measured in ulps of the head's largest value: at most 1, in < 1%."""
+    smaller than their inputs, so the error is measured in ulps of the head's largest value: NORM_ULP, in < 1%."""
     if out.dtype == torch.float32 or out.numel() == 0:
         assert_matches(out, ref)
         return
@@ -66,7 +69,7 @@ def assert_heads_match(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> N
     mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[out.dtype]
     out, ref = (t.reshape(t.shape[0], -1, head_dim).float() for t in (out, ref))
     head_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(-1, keepdim=True))) - mantissa_bits)
-    assert ((out - ref).abs() <= head_ulp).all(), f"{((out - ref).abs() / head_ulp).max().item()} head ulp"
+    assert ((out - ref).abs() <= NORM_ULP * head_ulp).all(), f"{((out - ref).abs() / head_ulp).max().item()} head ulp"
 
 
 def random_rows(num_rows: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
@@ -85,7 +88,11 @@ def test_add_rms_norm(dtype, num_rows, hidden):
     ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
     assert torch.equal(residual_out, x + residual)  # one rounding of the fp32 sum, as PyTorch's add
     assert_matches(residual_out, ref_residual, exact=True)
-    assert_matches(out, ref)
+    assert_matches(out, ref, max_ulp=NORM_ULP)
+    ones = torch.ones_like(weight)  # out is then the normalized value itself: at most 1 ulp off
+    assert_matches(
+        fused.add_rms_norm(x, residual, ones, EPS)[0], fused.add_rms_norm_reference(x, residual, ones, EPS)[0]
+    )
     assert torch.equal(x, x_in) and torch.equal(residual, residual_in)  # inputs are left alone
 
 
@@ -93,7 +100,7 @@ def test_add_rms_norm(dtype, num_rows, hidden):
 @pytest.mark.parametrize(("num_rows", "hidden"), [(0, 64), (1, 64), (7, 1000)])
 def test_rms_norm(dtype, num_rows, hidden):
     x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows)
-    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS))
+    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
 
 
 def test_norm_of_strided_rows():
@@ -103,7 +110,7 @@ def test_norm_of_strided_rows():
     x_view = wide[:, 7:103]  # rows 256 elements apart
     out, residual_out = fused.add_rms_norm(x_view, residual, weight, EPS)
     ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
-    assert_matches(out, ref)
+    assert_matches(out, ref, max_ulp=NORM_ULP)
     assert torch.equal(residual_out, ref_residual)
 
 

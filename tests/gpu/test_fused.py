@@ -26,6 +26,9 @@ if isinstance(fused._rms_norm_kernel, InterpretedFunction):
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-6
+# The norms reduce their sum of squares in another order than PyTorch, so the normalized value h * rsqrt(...)
+# can come out 1 ulp off after rounding; times a weight of |w| < 1 that is up to 2 ulp of the (smaller) output.
+NORM_ULP = 2
 DEVICE = "cuda"
 
 
@@ -38,8 +41,8 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (keys[0] - keys[1]).abs()
 
 
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, *, exact: bool = False) -> None:
-    """exact: bit for bit. Otherwise fp32 within 1e-5 of max |ref|; 16-bit at most 1 ulp off, in < 1%."""
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, *, exact: bool = False, max_ulp: int = 1) -> None:
+    """exact: bit for bit. Otherwise fp32 within 1e-5 of max |ref|; 16-bit at most `max_ulp` ulp, in < 1%."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if out.numel() == 0:
         return
@@ -49,13 +52,13 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, *, exact: bool = False)
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     else:
         ulps = ulp_distance(out, ref)
-        assert ulps.max().item() <= 1, f"{ulps.max().item()} ulp"
+        assert ulps.max().item() <= max_ulp, f"{ulps.max().item()} ulp"
         assert (ulps > 0).float().mean().item() < 0.01, f"{(ulps > 0).sum().item()} of {out.numel()} differ"
 
 
 def assert_heads_match(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> None:
     """Norm then rotary, 16-bit: a 1-ulp difference left by the norm is rotated into outputs that may be much
-    smaller than their inputs, so the error is measured in ulps of the head's largest value: at most 1, in < 1%."""
+    smaller than their inputs, so the error is measured in ulps of the head's largest value: NORM_ULP, in < 1%."""
     if out.dtype == torch.float32 or out.numel() == 0:
         assert_matches(out, ref)
         return
@@ -63,7 +66,7 @@ def assert_heads_match(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> N
     mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[out.dtype]
     out, ref = (t.reshape(t.shape[0], -1, head_dim).float() for t in (out, ref))
     head_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(-1, keepdim=True))) - mantissa_bits)
-    assert ((out - ref).abs() <= head_ulp).all(), f"{((out - ref).abs() / head_ulp).max().item()} head ulp"
+    assert ((out - ref).abs() <= NORM_ULP * head_ulp).all(), f"{((out - ref).abs() / head_ulp).max().item()} head ulp"
 
 
 def random_rows(num_rows: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
@@ -84,14 +87,18 @@ def test_add_rms_norm(dtype, num_rows, hidden):
     ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
     assert torch.equal(residual_out, x + residual)
     assert_matches(residual_out, ref_residual, exact=True)
-    assert_matches(out, ref)
+    assert_matches(out, ref, max_ulp=NORM_ULP)
+    ones = torch.ones_like(weight)  # out is then the normalized value itself: at most 1 ulp off
+    assert_matches(
+        fused.add_rms_norm(x, residual, ones, EPS)[0], fused.add_rms_norm_reference(x, residual, ones, EPS)[0]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_rows", "hidden"), NORM_SHAPES)
 def test_rms_norm(dtype, num_rows, hidden):
     x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows)
-    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS))
+    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
 
 
 def qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed):

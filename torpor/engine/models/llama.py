@@ -10,6 +10,7 @@ from torch import nn
 
 from torpor.engine.attention.metadata import AttentionBackend, AttentionMetadata
 from torpor.engine.models.config import ModelConfig
+from torpor.engine.models.layers import fused
 from torpor.engine.models.layers.activation import SiluAndMul
 from torpor.engine.models.layers.attention import Attention
 from torpor.engine.models.layers.embedding import VocabEmbedding, gather_logits
@@ -35,15 +36,26 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        if fused.fused_available(qkv):  # CUDA: q/k norm and rotary in one Triton kernel, in place
+            norm_weights = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            fused.qk_norm_rope_(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, *norm_weights, eps)
+            q, k, v = self._split_heads(qkv)
+        else:
+            q, k, v = self._split_heads(qkv)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] of qkv."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):

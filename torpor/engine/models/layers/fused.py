@@ -7,14 +7,17 @@
 
 Each kernel rounds at the same points as the model code and does the same fp32 math in between. The
 `*_reference` functions run the model code's own ops; the model uses them wherever `fused_available` is
-False (CPU tensors, no triton). On CUDA the kernels match PyTorch's kernels bit for bit, except the norms:
-their sum of squares is reduced in another order than PyTorch's reduction kernel, so its last fp32 bit
-can differ, and then a few outputs by 1 ulp of their dtype. What that takes:
+False (CPU tensors, no triton). On CUDA, silu_and_mul, the rotary and the residual add match PyTorch bit
+for bit (checked on an H200 with triton 3.6). The norms do not quite: their sum of squares is reduced in
+another order than PyTorch's reduction kernel, so rsqrt's input can differ in its last fp32 bit; then a few
+normalized values differ by 1 ulp of the dtype, up to 2 ulp after a weight of |w| < 1 (about 4e-5 of fp16
+outputs, fewer in bf16; fp32 outputs within 2e-7). What the exact parts take:
 - fp contraction off (`enable_fp_fusion=False`): PyTorch rounds every product to fp32 in its own kernel,
   so `x1 * cos - x2 * sin` must not become an FMA;
-- libdevice's exp and rsqrt, which are the expf and rsqrtf that PyTorch's CUDA kernels call (tl.exp is a
-  faster, less accurate ex2.approx), and IEEE division (div_rn; Triton's fp32 `/` is approximate);
+- libdevice's exp, the expf that PyTorch's silu calls (tl.exp's ex2.approx differs in the last bit), and
+  IEEE division (div_rn; Triton's fp32 `/` is approximate); rsqrt is libdevice's too, as torch.rsqrt's;
 - round-to-nearest-even casts to the tensor's dtype after every op that PyTorch runs in that dtype.
+Off CUDA (Triton's interpreter, for tests) libdevice is missing: tl.exp and tl.rsqrt (numpy's) stand in.
 
 Importing this module does not import triton (every model imports it; CPU engines never need triton, and
 the interpreter tests must set TRITON_INTERPRET before triton's first import): `_load_triton` imports it on
@@ -83,8 +86,8 @@ def fused_available(tensor: torch.Tensor) -> bool:
 
 @_jit
 def _to_dtype(x, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """fp32 x rounded to nearest even in DTYPE. SOFT_BF16: with integer ops, for Triton's interpreter, whose
-    fp32 -> bf16 cast truncates."""
+    """fp32 x rounded to nearest even in DTYPE. SOFT_BF16 (DTYPE is bf16): with integer ops, for Triton's
+    interpreter, whose fp32 -> bf16 cast truncates."""
     if SOFT_BF16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -234,47 +237,53 @@ def _launch_options(t: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
-        raise ValueError(f"{name} must match x: got {t.dtype} {tuple(t.shape)} on {t.device}")
+def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.numel() and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def _check_norm_inputs(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in _SUPPORTED_DTYPES or not 0 < x.shape[1] <= _MAX_HIDDEN:
+        raise ValueError(f"x must be [N, H <= {_MAX_HIDDEN}] of {_SUPPORTED_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    _check_last_dim_contiguous("x", x)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(
+                f"residual must match x, got {residual.dtype} {tuple(residual.shape)} on {residual.device}"
+            )
+        _check_last_dim_contiguous("residual", residual)
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [H] tensor of x's dtype, got {weight.dtype} {weight.shape}")
 
 
 def _rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """norm(x [+ residual]) [N, H] and, with a residual, x + residual [N, H]."""
-    if x.dim() != 2 or x.dtype not in _SUPPORTED_DTYPES or not 0 < x.shape[1] <= _MAX_HIDDEN:
-        raise ValueError(f"x must be [N, H <= {_MAX_HIDDEN}] of {_SUPPORTED_DTYPES}, got {x.dtype} {tuple(x.shape)}")
-    _check_rows("x", x, x)
-    if residual is not None:
-        _check_rows("residual", residual, x)
-    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous [H] tensor of x's dtype, got {weight.dtype} {weight.shape}")
+    """norm(x [+ residual]) [N, H] and, with a residual, x + residual [N, H] (else None)."""
+    _check_norm_inputs(x, residual, weight)
     num_rows, hidden = x.shape
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     residual_out = None if residual is None else torch.empty_like(out)
     if num_rows == 0:
         return out, residual_out
     options, block = _launch_options(x), _next_power_of_2(hidden)
-    residual_in = x if residual is None else residual  # never read without a residual
-    residual_out_ = out if residual_out is None else residual_out  # never written without one
+    residual_src = x if residual is None else residual  # never read without a residual
+    residual_dst = out if residual_out is None else residual_out  # never written without one
     _rms_norm_kernel[(num_rows,)](
         x,
-        residual_in,
+        residual_src,
         weight,
         out,
-        residual_out_,
+        residual_dst,
         x.stride(0),
-        residual_in.stride(0),
+        residual_src.stride(0),
         out.stride(0),
-        residual_out_.stride(0),
+        residual_dst.stride(0),
         eps,
         H=hidden,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
-        num_warps=min(16, max(1, block // 512)),  # 4 to 16 elements per thread
+        num_warps=min(16, max(1, block // 256)),  # 8 elements a thread up to H = 4096 (16 warps were fastest)
         **options,
     )
     return out, residual_out
@@ -312,8 +321,8 @@ def _check_qkv(
         )
     if cos_sin.shape != (qkv.shape[0], head_dim) or cos_sin.dtype != torch.float32 or cos_sin.device != qkv.device:
         raise ValueError(f"cos_sin must be float32 [{qkv.shape[0]}, {head_dim}], got {cos_sin.dtype} {cos_sin.shape}")
-    if qkv.numel() and (qkv.stride(-1) != 1 or cos_sin.stride(-1) != 1):
-        raise ValueError("qkv and cos_sin must be contiguous in their last dimension")
+    _check_last_dim_contiguous("qkv", qkv)
+    _check_last_dim_contiguous("cos_sin", cos_sin)
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight go together: both (Qwen3) or neither (Llama, Qwen2)")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
@@ -339,7 +348,8 @@ def qk_norm_rope_(
     if num_tokens == 0:
         return
     options, block_half = _launch_options(qkv), _next_power_of_2(head_dim // 2)
-    block_heads = min(_next_power_of_2(num_rotated), max(1, 1024 // block_half))  # ~2048 elements a program
+    # 8 heads of 128 a program: the fastest on an H200 at T = 1 and 256 (Qwen3-8B, 4 warps)
+    block_heads = min(_next_power_of_2(num_rotated), max(1, 512 // block_half))
     has_norm = q_weight is not None
     _qk_norm_rope_kernel[(num_tokens, -(-num_rotated // block_heads))](
         qkv,
@@ -364,13 +374,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [N, 2 * I] = [gate | up] -> silu(gate) * up [N, I], as SiluAndMul, in one kernel."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"gate_up must be [N, 2 * I] of {_SUPPORTED_DTYPES}, got {gate_up.dtype} {gate_up.shape}")
-    if gate_up.numel() and gate_up.stride(-1) != 1:
-        raise ValueError(f"gate_up must be contiguous in its last dimension, got strides {gate_up.stride()}")
+    _check_last_dim_contiguous("gate_up", gate_up)
     num_rows, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_rows, intermediate), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
         return out
-    options, block = _launch_options(gate_up), min(1024, _next_power_of_2(intermediate))
+    # More, smaller programs for few rows (decode): on an H200, 512 was fastest at N = 1, 1024 at N = 256.
+    options = _launch_options(gate_up)
+    block = min(512 if num_rows < 16 else 1024, _next_power_of_2(intermediate))
     _silu_and_mul_kernel[(num_rows, -(-intermediate // block))](
         gate_up,
         out,

@@ -22,7 +22,15 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+        """norm(x), or with `residual`: (norm(x + residual), x + residual). On CUDA, rows [N, H] take one
+        fused Triton kernel (same rounding points; see fused.py for the last-bit differences)."""
+        if x.is_cuda and x.dim() == 2:
+            from torpor.engine.models.layers import fused  # here: fused imports this module
+
+            if fused.fused_available(x):
+                if residual is None:
+                    return fused.rms_norm(x, self.weight, self.eps)
+                return fused.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
