@@ -209,6 +209,32 @@ def test_deeper_sleep_drops_host_copy(mm):
     assert int(torch.count_nonzero(w)) == 0
 
 
+def test_dropped_pinned_copies_are_freed_in_the_background():
+    """A discarding sleep returns before the old pinned copy is given back, which then really happens."""
+    import time
+
+    import psutil
+
+    mm = MemoryManager("cuda")
+    with mm.tag("weights"):
+        w = torch.ones(512 * MiB, dtype=torch.uint8, device="cuda")
+    mm.sleep({"weights": "offload"})
+    mm.wake()
+    mm.sleep({"weights": "offload"})  # the buffer is reused: no pinning
+    rss_held = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    mm.sleep({"weights": "discard"})
+    drop_s = time.perf_counter() - start
+    mm._backend.wait_host_frees()
+    assert psutil.Process().memory_info().rss < rss_held - 400 * MiB  # the 512 MiB pinned copy is gone
+    assert drop_s < 0.05, drop_s
+    mm.wake()
+    mm.sleep({"weights": "offload"})  # pins a new copy after the old one went
+    mm.wake()
+    assert int(torch.count_nonzero(w)) == 0  # zeroed by the discard, then offloaded and restored as zeros
+    mm.close()
+
+
 def test_pinned_buffers_reused_and_pageable_option():
     for kind in ("pinned", "pageable"):
         mm = MemoryManager("cuda", host_backup=kind)

@@ -30,6 +30,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,10 @@ class CudaBackend(SegmentStore):
         self.pools: dict[str, torch.cuda.MemPool] = {}
         self._scopes = threading.local()  # per thread: stack of active use_mem_pool contexts
         self.callback_errors: list[str] = []
+        # Giving back pinned memory takes ~0.1 s/GiB (1.5 s for an 8B model's weights, measured on an
+        # H200): a discarding sleep hands its old host copies to this thread and returns at once.
+        self._host_freer = ThreadPoolExecutor(1, thread_name_prefix="torpor-host-free")
+        self._host_frees: list[Future] = []
         with _STORES_LOCK:
             _STORES.append(self)
 
@@ -107,6 +112,7 @@ class CudaBackend(SegmentStore):
         """Drop the pools. PyTorch then returns their segments through `free` once their tensors
         are gone and `torch.cuda.empty_cache()` runs; the callbacks keep this object alive."""
         self.pools.clear()
+        self.wait_host_frees()
 
     def pool_id(self, tag: str) -> tuple[int, int]:
         return self.pools[tag].id
@@ -177,6 +183,8 @@ class CudaBackend(SegmentStore):
         return self._stream
 
     def _reserve_backups(self, segments: list[Segment]) -> None:
+        if any(seg.backup is None for seg in segments):
+            self.wait_host_frees()  # old copies go before new ones are pinned
         made: list[Segment] = []
         try:
             for seg in segments:
@@ -195,7 +203,16 @@ class CudaBackend(SegmentStore):
         return segment.backup.size
 
     def _free_backup(self, segment: Segment) -> None:
-        segment.backup.free()
+        if segment.backup.kind != "pinned":
+            segment.backup.free()
+            return
+        self._host_frees.append(self._host_freer.submit(_free_host_buffer, segment.backup, self.device_index))
+
+    def wait_host_frees(self) -> None:
+        """Wait until the host copies handed to the background thread are given back."""
+        frees, self._host_frees = self._host_frees, []
+        for future in frees:
+            future.result()
 
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self.device_index)
@@ -267,6 +284,11 @@ class CudaBackend(SegmentStore):
     def device_used_bytes(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device_index)
         return total - free
+
+
+def _free_host_buffer(buffer: HostBuffer, device_index: int) -> None:
+    cuda_driver.make_primary_context_current(device_index)  # cuMemFreeHost needs a current context
+    buffer.free()
 
 
 def _chunks(size: int, start: int = 0, chunk: int = COPY_CHUNK_BYTES) -> list[tuple[int, int]]:
