@@ -1,5 +1,7 @@
 """Tensor parallelism over two CPU processes (gloo): outputs equal one process, the bit-exact sleep/wake
-harness at TP=2, a sleep failing on one rank rolled back everywhere, a killed worker reported.
+harness at TP=2, a sleep failing on one rank rolled back everywhere, a killed worker reported, weights
+streamed through the process group, every rank's memory reported, the collective teardown, workers
+that ignore Ctrl-C and exit with rank 0, clear errors for a failed start-up and for missing devices.
 
 Logprobs are compared with TP=1 within LOGPROB_TOLERANCE: the row-parallel layers sum partial products
 in another order than one GEMM does, so results differ in the last bits (fp32). Within TP=2, every
@@ -7,15 +9,21 @@ sleep/wake round must equal TP=2's own first round exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
 
 from torpor.engine import LLM, SamplingParams
+from torpor.engine.config import EngineConfig
+from torpor.engine.loader import iter_checkpoint
 from torpor.engine.sleep_harness import differences, fixed_requests, run_harness, run_round
-from torpor.engine.worker import RankError, WorkerDiedError
+from torpor.engine.worker import RankError, WorkerDiedError, check_devices
 from torpor.memory import HostMemoryError
 
 LOGPROB_TOLERANCE = 1e-4  # fp32, 2 layers, 2 ranks: observed differences are ~1e-6
@@ -65,6 +73,36 @@ class TestTwoRanks:
         with pytest.raises(RuntimeError, match="close\\(\\) the tensor-parallel engine first"):
             LLM(tiny_model_path, enable_sleep_mode=False, **OPTIONS)
 
+    def test_every_rank_reports_its_memory(self, tp_llm):
+        usage = tp_llm.memory_usage()
+        ranks = usage["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert ranks[0]["pid"] == os.getpid() and ranks[1]["pid"] == tp_llm.engine.model_runner.workers.processes[0].pid
+        assert [r["device"] for r in ranks] == ["cpu", "cpu"]
+        for r in ranks:
+            assert r["device_used_bytes"] > 0 and r["cuda_graphs"] == 0
+            assert r["tags"]["weights"]["allocated_bytes"] > 0  # each rank's own shard
+        assert ranks[0]["tags"]["kv_cache"] == usage["tags"]["kv_cache"]
+
+    def test_update_weights_streams_to_every_rank_and_survives_a_bad_name(self, tp_llm, greedy_reference):
+        requests, reference = greedy_reference
+        named = dict(iter_checkpoint(tp_llm.config.model))
+        name = "model.layers.0.mlp.down_proj.weight"  # row-parallel: each rank keeps different columns
+        assert tp_llm.update_weights([(name, torch.zeros_like(named[name]))]) == 1
+        assert run_round(tp_llm, requests)[0].outputs[0].logprobs != reference[0].outputs[0].logprobs
+        with pytest.raises(ValueError, match="matches no parameter"):  # every rank fails on it, nobody hangs
+            tp_llm.update_weights([(name, named[name]), ("model.no_such.weight", named[name])])
+        assert tp_llm.update_weights(named.items()) == len(named)
+        _close_all(reference, run_round(tp_llm, requests))
+
+    def test_workers_ignore_ctrl_c(self, tp_llm, greedy_reference):
+        requests, reference = greedy_reference
+        worker = tp_llm.engine.model_runner.workers.processes[0]
+        os.kill(worker.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches every process of its group
+        time.sleep(0.2)
+        assert worker.is_alive()
+        _close_all(reference, run_round(tp_llm, requests))
+
     def test_bit_exact_after_every_kind_of_wake(self, tp_llm):
         requests = fixed_requests(12, tp_llm.engine.vocab_size, max_prompt=32, max_tokens=8)
         results = run_harness(tp_llm, requests, log=lambda line: None)
@@ -111,8 +149,77 @@ def test_killed_worker_is_reported_not_a_hang(tiny_model_path):
     assert not worker.is_alive()
 
 
+def test_a_failed_step_leaves_the_engine_unusable_not_hung(tiny_model_path):
+    from torpor.engine.sequence import Sequence
+
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, enable_sleep_mode=False, tp_timeout_s=60.0, **OPTIONS)
+    try:
+        worker = llm.engine.model_runner.workers.processes[0]
+        bad = Sequence("no-blocks", [1, 2, 3], SamplingParams())  # no KV blocks: the step fails on every rank
+        start = time.perf_counter()
+        with pytest.raises(IndexError):  # rank 0's own error
+            llm.engine.model_runner.run([bad], True)
+        worker.join(timeout=10)
+        assert worker.exitcode == 1  # the worker replied its error, then left: the ranks may be out of step
+        with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+, exit code 1\)"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        assert time.perf_counter() - start < 20
+    finally:
+        llm.close()
+
+
 def test_close_stops_the_workers(tiny_model_path):
     llm = LLM(tiny_model_path, tensor_parallel_size=2, **OPTIONS)
     processes = llm.engine.model_runner.workers.processes
+    start = time.perf_counter()
+    llm.close()  # every rank leaves together (a barrier first: NCCL's teardown is collective)
+    assert time.perf_counter() - start < 5
+    assert [p.exitcode for p in processes] == [0]  # not killed: the worker met rank 0 in the teardown
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(WorkerDiedError, match="unusable: it was closed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_a_worker_failing_at_start_up_is_reported_with_its_error(tiny_model_path):
+    with pytest.raises(RankError, match="rank 1: TypeError") as error:
+        LLM(tiny_model_path, tensor_parallel_size=2, worker_memory_options={1: {"no_such_option": 1}}, **OPTIONS)
+    assert isinstance(error.value.cause, TypeError)
+    assert not torch.distributed.is_initialized()  # the next engine can start
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, enable_sleep_mode=False, **OPTIONS)
     llm.close()
-    assert [p.exitcode for p in processes] == [0]
+
+
+def test_workers_exit_when_rank_0_dies(tiny_model_path):
+    script = ("import sys, time; from torpor.engine import LLM; "
+              f"llm = LLM({tiny_model_path!r}, tensor_parallel_size=2, device='cpu', max_model_len=64, "
+              "enable_sleep_mode=False); "
+              "print(llm.engine.model_runner.workers.processes[0].pid, flush=True); time.sleep(60)")
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(rank0.stdout.readline())
+        rank0.kill()  # no clean-up runs in rank 0
+        rank0.wait()
+        deadline = time.monotonic() + 10
+        while _alive(worker_pid):
+            assert time.monotonic() < deadline, "the worker outlived rank 0"
+            time.sleep(0.1)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited (init reaps it later)
+    except FileNotFoundError:
+        return False
+
+
+def test_devices_of_every_rank_must_be_visible(monkeypatch, tiny_model_path):
+    config = EngineConfig(model=tiny_model_path, device="cuda:1", tensor_parallel_size=2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"needs devices cuda:1\.\.cuda:2 \(one per rank\), but 2 CUDA"):
+        check_devices(config)
+    check_devices(dataclasses.replace(config, device="cuda:0"))
+    check_devices(dataclasses.replace(config, device="cpu", tensor_parallel_size=8))

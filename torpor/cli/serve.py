@@ -44,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of device memory the engine may use (default: 0.9)")
     engine.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    engine.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1, metavar="N",
+                        help="split the model over N processes, one device each (default: 1). On GPU, rank r "
+                             "uses the device r places after --device (cuda:0..cuda:N-1 by default; "
+                             "CUDA_VISIBLE_DEVICES chooses them), over NCCL; on CPU, N processes over gloo. "
+                             "Heads, kv heads, intermediate size and vocabulary must divide by N. Sleep, wake "
+                             "and weight updates reach every rank")
     engine.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed (default: 0)")
     security = p.add_argument_group("security and limits")
     security.add_argument("--admin-token", default=None,
@@ -98,28 +104,29 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _load_engine(args: argparse.Namespace):
     from torpor.engine import LLM
 
-    _say(f"loading {args.model or 'the embedded tiny model'} (device {args.device}, dtype {args.dtype}) ...")
+    tp = args.tensor_parallel_size
+    ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
+    _say(f"loading {args.model or 'the embedded tiny model'} (device {args.device}, dtype {args.dtype}{ranks}) ...")
     start = time.perf_counter()
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-                  enforce_eager=args.enforce_eager, seed=args.seed)
+                  enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=tp)
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         _say(f"error: the engine could not start: {type(exc).__name__}: {exc}")
         return None
     config = llm.config
-    _say(f"engine ready in {time.perf_counter() - start:.1f} s: {config.device}, {config.dtype}, "
-         f"max_model_len {config.max_model_len}, KV cache {config.num_kv_blocks * config.block_size} tokens, "
-         f"max_num_seqs {config.max_num_seqs}")
+    devices = config.device if tp == 1 else f"{tp} ranks from {config.device}"
+    _say(f"engine ready in {time.perf_counter() - start:.1f} s: {devices}, {config.dtype}, "
+         f"max_model_len {config.max_model_len}, KV cache {config.num_kv_blocks * config.block_size} tokens"
+         f"{' per rank' if tp > 1 else ''}, max_num_seqs {config.max_num_seqs}")
     return llm
 
 
 def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str | None, api_key: str | None) -> int:
     from pathlib import Path
 
-    import uvicorn
-
-    from torpor.server import ServerConfig, build_app
+    from torpor.server import ServerConfig
 
     name = args.served_model_name or Path(llm.config.model).name
     try:
@@ -127,7 +134,20 @@ def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str 
                               max_tokens_cap=args.max_tokens_cap, asleep_timeout=args.asleep_timeout)
     except ValueError as exc:
         _say(f"error: {exc}")
+        llm.close()
         return 2
+    try:
+        return _run_server(args, llm, config, sock)
+    finally:
+        llm.close()  # tensor parallel: the workers stop and every rank leaves the process group
+
+
+def _run_server(args: argparse.Namespace, llm, config, sock: socket.socket) -> int:
+    import uvicorn
+
+    from torpor.server import build_app
+
+    name, admin_token, api_key = config.model_name, config.admin_token, config.api_key
     server = uvicorn.Server(uvicorn.Config(build_app(llm, config), log_level=args.log_level,
                                            access_log=args.access_log, timeout_graceful_shutdown=10))
     host, port = sock.getsockname()[:2]

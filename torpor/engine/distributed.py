@@ -7,12 +7,15 @@ single-device engine never touches torch.distributed.
 
 from __future__ import annotations
 
+import threading
+import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 _rank, _size = 0, 1
+_device: torch.device | None = None  # this rank's device while in a group
 
 
 def tp_rank() -> int:
@@ -25,21 +28,89 @@ def tp_size() -> int:
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
                          timeout_s: float = 120.0) -> None:
-    """Join the group of `size` ranks (rendezvous at `init_method`, e.g. "tcp://127.0.0.1:PORT")."""
-    global _rank, _size
+    """Join the group of `size` ranks (rendezvous at `init_method`, e.g. "tcp://127.0.0.1:PORT").
+
+    On CUDA the rank's device becomes this thread's current device first, so neither NCCL nor PyTorch
+    ever makes a context on another device (cuda:0 by default), and the communicator is created now
+    (`device_id`: eager init), before any memory tag scope and before any CUDA graph capture."""
+    global _rank, _size, _device
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs = {}
+    if device.type == "cuda":
+        if device.index is None:
+            raise ValueError(f"tensor parallelism needs an indexed CUDA device (cuda:N), got {device}")
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
-    _rank, _size = rank, size
+    _rank, _size, _device = rank, size, device
 
 
-def shutdown_tensor_parallel() -> None:
-    """Leave the group (this process is rank 0 of 1 again)."""
-    global _rank, _size
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _rank, _size = 0, 1
+def shutdown_tensor_parallel(healthy: bool = True, timeout_s: float = 60.0) -> bool:
+    """Leave the group (this process is rank 0 of 1 again). Returns False if the group could not be
+    torn down within `timeout_s` (it is then left behind: this process cannot join another group).
+
+    healthy: every rank is alive and leaves now too. NCCL's communicator teardown (finalize, destroy,
+    even abort) is an intra-node collective: a rank leaving alone waits for the others. So the ranks
+    meet in a barrier first (every backend, so gloo on CPU checks the same protocol), then destroy.
+    Not healthy (a rank died or hangs): no barrier; NCCL's communicator is aborted instead."""
+    global _rank, _size, _device
+    device = _device if _device is not None and _device.type == "cuda" else None
+    _rank, _size, _device = 0, 1, None
+    if not dist.is_initialized():
+        return True
+    nccl = dist.get_backend() == "nccl"
+
+    def leave() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # the rank's device (a new thread starts on cuda:0)
+        if healthy:
+            try:
+                dist.barrier()
+            except Exception:  # a peer went away after all (gloo notices): tear down as not healthy
+                pass
+            else:
+                dist.destroy_process_group()
+                return
+        if nccl:
+            dist.distributed_c10d._abort_process_group()  # also forgets the group, like destroy
+        else:
+            dist.destroy_process_group()  # gloo: local
+
+    return _bounded(leave, timeout_s)
+
+
+def abort_if_nccl() -> bool:
+    """Abort this process's NCCL communicator (from any thread): collectives pending on it, or issued
+    later, fail instead of waiting for a peer that is gone. gloo notices a dead peer by itself: no-op.
+    Returns whether it aborted."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True
+
+
+def _bounded(fn, timeout_s: float) -> bool:
+    """Run `fn` in a daemon thread; False if it did not finish in time (a teardown blocked by a peer)."""
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # reported below
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="torpor-tp-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        warnings.warn(f"the tensor-parallel process group did not tear down within {timeout_s:.0f} s; it is "
+                      "left behind (this process cannot start another tensor-parallel engine)", stacklevel=3)
+        return False
+    if error:
+        warnings.warn(f"tearing down the tensor-parallel process group failed: {error[0]!r}", stacklevel=3)
+        return False
+    return True
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -59,12 +130,21 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:
-    """The smallest `value` of all ranks (e.g. the KV blocks that fit on every device)."""
+    """The smallest `value` of all ranks (e.g. the KV blocks that fit on every device). `device` is
+    the rank's own: NCCL only moves CUDA tensors (every collective here runs on the rank's device;
+    control travels through rank 0's pipes, never through the process group)."""
     if _size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """`x` of rank 0 into `x` of every rank (same shape and dtype everywhere), in place."""
+    if _size > 1:
+        dist.broadcast(x, src=0)
+    return x
 
 
 def shard_size(total: int, what: str) -> int:

@@ -147,8 +147,14 @@ class LLM:
             return count
 
     def memory_usage(self) -> dict:
+        """Per-tag bytes and states, the sleep level, device memory in use (rank 0's device); under
+        tensor parallelism also "ranks": each rank's device, its memory in use and its tags."""
         with self._lock:
-            return self.engine.memory_usage()
+            if self.config.tensor_parallel_size == 1:
+                return self.engine.memory_usage()
+            from torpor.engine.parallel_runner import usage_with_ranks
+
+            return usage_with_ranks(self.engine)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op on one device)."""

@@ -16,7 +16,9 @@ from torpor.engine.model_runner import ModelRunner
 from torpor.engine.models import ModelConfig
 from torpor.engine.sampler import SamplerOutput
 from torpor.engine.sequence import Sequence
-from torpor.engine.worker import RankError, WorkerGroup
+from torpor.engine.worker import RankError, WorkerGroup, end_tensors, rank_info, send_tensors
+
+STEP_FAILURE_WAIT_S = 10.0  # a step failed on rank 0: how long the workers may take to answer it
 
 
 class ParallelModelRunner:
@@ -32,8 +34,12 @@ class ParallelModelRunner:
             _, errors = self.workers.collect("start-up")
             if errors:
                 raise errors[min(errors)]
-        except BaseException:
-            self.workers.close()
+        except BaseException as e:
+            # A worker that failed first explains it best (rank 0 then fails in a collective with it).
+            errors = self.workers.early_errors() if isinstance(e, Exception) else {}
+            self.workers.close(healthy=False)  # workers may be blocked in a start-up collective
+            if errors:
+                raise errors[min(errors)] from e
             raise
         self.config, self.model_config, self.device = self.local.config, self.local.model_config, self.local.device
         self.memory = None if memory is None else ParallelMemory(memory, self)
@@ -43,10 +49,12 @@ class ParallelModelRunner:
         """Rank 0's KV cache (its kv heads)."""
         return self.local.kv_cache
 
-    def on_all_ranks(self, what: str, args: tuple, local: Callable,
-                     ranks: list[int] | None = None) -> tuple[object, dict[int, BaseException]]:
+    def on_all_ranks(self, what: str, args: tuple, local: Callable, ranks: list[int] | None = None,
+                     failed_here_wait_s: float | None = None) -> tuple[object, dict[int, BaseException]]:
         """Send `what` to the workers, run `local()` here, wait for everyone. Returns rank 0's result
-        and the errors by rank (rank 0's included); a dead or silent worker raises WorkerDiedError."""
+        and the errors by rank (rank 0's included); a dead or silent worker raises WorkerDiedError.
+        `failed_here_wait_s`: when `local()` failed, wait only this long for the workers (they may be
+        blocked in a collective rank 0 will never join)."""
         self.workers.send(what, *args, ranks=ranks)
         result, errors = None, {}
         try:
@@ -54,30 +62,53 @@ class ParallelModelRunner:
         except Exception as e:
             errors[0] = e
         try:
-            _, worker_errors = self.workers.collect(what, ranks)
+            _, worker_errors = self.workers.collect(what, ranks, failed_here_wait_s if errors else None)
         except RuntimeError as died:
             raise died from errors.get(0)
         errors.update(worker_errors)
         return result, errors
 
-    def _everywhere(self, what: str, args: tuple, local: Callable):
-        result, errors = self.on_all_ranks(what, args, local)
+    def _everywhere(self, what: str, args: tuple, local: Callable, failed_here_wait_s: float | None = None):
+        result, errors = self.on_all_ranks(what, args, local, failed_here_wait_s=failed_here_wait_s)
         if errors:
             raise errors[min(errors)]  # rank 0's own exception as is, a worker's as a RankError
         return result
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
-        return self._everywhere("run", (seqs, is_prefill), lambda: self.local.run(seqs, is_prefill))
+        """One step on every rank. A step that fails on any rank leaves the engine unusable (the ranks'
+        collectives may be out of step): a worker exits after replying its error; a failure here waits
+        STEP_FAILURE_WAIT_S for the workers, then gives them up."""
+        return self._everywhere("run", (seqs, is_prefill), lambda: self.local.run(seqs, is_prefill),
+                                failed_here_wait_s=STEP_FAILURE_WAIT_S)
 
     def reload_weights(self, path: str) -> None:
         self._everywhere("reload_weights", (path,), lambda: self.local.reload_weights(path))
 
     def update_weights(self, named_tensors, strict: bool) -> int:
-        """Every rank receives every tensor (it keeps its shard): the tensors are gathered in host memory."""
-        tensors = [(name, tensor.cpu()) for name, tensor in named_tensors]
-        return self._everywhere("update_weights", (tensors, strict), lambda: self.local.update_weights(tensors, strict))
+        """Every rank receives every tensor (it keeps its shard), streamed one at a time: its name through
+        the pipes, its data broadcast over the process group from rank 0's device."""
+        conns = self.workers.conns
+
+        def local() -> int:
+            try:
+                return self.local.update_weights(send_tensors(conns, named_tensors, self.device), strict)
+            finally:
+                end_tensors(conns)
+
+        return self._everywhere("update_weights", (strict,), local)
+
+    def rank_usage(self) -> list[dict]:
+        """Every rank's device, device memory in use, tags and CUDA graphs (`worker.rank_info`), rank order."""
+        self.workers.send("info")
+        results, errors = self.workers.collect("info")
+        if errors:
+            raise errors[min(errors)]
+        return [rank_info(self.local, None if self.memory is None else self.memory.local)] + \
+            [results[rank] for rank in sorted(results)]
 
     def close(self) -> None:
+        """Stop the workers and leave the process group; this engine cannot run any more."""
+        self.local.close()  # its graphs (they captured NCCL calls) go before the communicator
         self.workers.close()
 
 
@@ -115,3 +146,12 @@ class ParallelMemory:
             first = min(errors)
             raise errors[first] if first else RankError(0, errors[0])
         return report
+
+
+def usage_with_ranks(engine) -> dict:
+    """`engine.memory_usage()` (rank 0's figures), plus under tensor parallelism "ranks": every rank's
+    `rank_info` (its own device's memory in use, its tags)."""
+    usage = engine.memory_usage()
+    if isinstance(engine.model_runner, ParallelModelRunner):
+        usage["ranks"] = engine.model_runner.rank_usage()
+    return usage

@@ -3,8 +3,12 @@ MemoryManager, driven by rank 0 through one `Pipe` per worker.
 
 Rank 0 sends a pickled `(command, args)`; the worker runs it (the forward passes meet in the layers'
 collectives) and answers `("ok", result)` or `("error", exception)`. Commands: run, sleep, wake,
-reload_weights, update_weights, exit. `WorkerGroup` is rank 0's side: it starts the workers, sends
-commands, and turns a dead worker or a reply that never comes into a clear error instead of a hang.
+reload_weights, update_weights (the tensors follow through the process group, see `receive_tensors`),
+info, exit. `WorkerGroup` is rank 0's side: it starts the workers, sends commands, and turns a dead
+worker or a reply that never comes into a clear error instead of a hang.
+
+Workers ignore SIGINT (Ctrl-C reaches the whole process group of a terminal; rank 0 alone decides when
+the workers stop) and exit on their own when rank 0 goes away.
 """
 
 from __future__ import annotations
@@ -13,16 +17,27 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import signal
 import socket
+import threading
 import time
 import traceback
 import weakref
+from dataclasses import asdict
 
 import torch
 import torch.multiprocessing as mp
 
 from torpor.engine.config import EngineConfig
-from torpor.engine.distributed import init_tensor_parallel, shutdown_tensor_parallel
+from torpor.engine.distributed import (
+    abort_if_nccl,
+    broadcast_from_rank0,
+    init_tensor_parallel,
+    shutdown_tensor_parallel,
+    tp_rank,
+)
+
+TEARDOWN_TIMEOUT_S = 60.0  # leaving the process group together (a healthy close) takes well under this
 
 
 class RankError(RuntimeError):
@@ -45,11 +60,42 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=f"cuda:{first + rank}")
 
 
+def check_devices(config: EngineConfig) -> None:
+    """On GPU, raise before any process starts unless the devices of every rank are visible."""
+    if not config.device.startswith("cuda"):
+        return
+    first = int(config.device.partition(":")[2] or 0)
+    last, count = first + config.tensor_parallel_size - 1, torch.cuda.device_count()
+    if last >= count:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} on {config.device} needs devices "
+                         f"cuda:{first}..cuda:{last} (one per rank), but {count} CUDA device(s) are visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+
+
+def rank_info(runner, memory) -> dict:
+    """This rank's device, its memory in use (the whole device, as `MemoryManager.device_used_bytes`;
+    CPU: the process's RSS), its tags and how many CUDA graphs it holds."""
+    if memory is not None:
+        used, tags = memory.device_used_bytes(), {tag: asdict(u) for tag, u in memory.usage().items()}
+    elif runner.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(runner.device)
+        used, tags = total - free, {}
+    else:
+        from torpor.engine.sleep_harness import host_rss
+
+        used, tags = host_rss(), {}
+    graphs = runner.graphs.graphs if runner.graphs is not None else {}
+    return {"rank": tp_rank(), "pid": os.getpid(), "device": str(runner.device), "device_used_bytes": used,
+            "cuda_graphs": len(graphs), "tags": tags}
+
+
 # ---- the worker process ------------------------------------------------------------------------
 def worker_main(rank: int, size: int, config: EngineConfig, init_method: str, memory_options: dict | None,
                 conn) -> None:
     """Entry point of rank `rank` (a spawned process): start up, then serve rank 0's commands."""
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off (see docs/tensor-parallel.md)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    _exit_with_parent(os.getppid())
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited from rank 0, which set it (docs/tensor-parallel.md)
     if not config.device.startswith("cuda"):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the cores
     try:
@@ -63,29 +109,60 @@ def worker_main(rank: int, size: int, config: EngineConfig, init_method: str, me
             memory = MemoryManager(config.device, **memory_options)
         runner = ModelRunner(config, memory)
     except BaseException as e:
-        _reply_error(conn, e)
-        return
-    conn.send(("ok", None))
-    _serve(runner, memory, conn)
-    shutdown_tensor_parallel()
+        with contextlib.suppress(OSError):
+            _reply_error(conn, e)
+        os._exit(1)  # without leaving the group: the others may be anywhere (a collective teardown would hang)
+    try:
+        conn.send(("ok", None))
+    except OSError:
+        os._exit(0)  # rank 0 is gone
+    end = _serve(runner, memory, conn)
+    if end != "exit":
+        # Rank 0 is gone, or a step failed here (the ranks' collectives may be out of step: this engine
+        # cannot run any more; rank 0 sees this process die). No (collective) teardown of the group.
+        os._exit(0 if end == "gone" else 1)
+    try:
+        runner.close()  # its graphs (they captured NCCL calls) go before the communicator
+    finally:
+        left = shutdown_tensor_parallel(healthy=True, timeout_s=TEARDOWN_TIMEOUT_S)  # with rank 0 (see close)
+    os._exit(0 if left else 1)  # nothing left to do; no interpreter teardown (CUDA / NCCL finalizers)
 
 
-def _serve(runner, memory, conn) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit when rank 0 dies, even while blocked in a collective that will never complete."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="torpor-tp-parent-watch", daemon=True).start()
+
+
+def _serve(runner, memory, conn) -> str:
+    """Rank 0's commands until "exit"; returns "exit", "gone" (rank 0 is) or "failed" (a step failed)."""
     while True:
         try:
             command, args = conn.recv()
-        except (EOFError, OSError):  # rank 0 is gone
-            return
-        if command == "exit":
-            conn.send(("ok", None))
-            return
+        except (EOFError, OSError):
+            return "gone"
         try:
-            conn.send(("ok", _handle(runner, memory, command, args)))
-        except Exception as e:
-            _reply_error(conn, e)
+            if command == "exit":
+                conn.send(("ok", None))
+                return "exit"
+            try:
+                reply = ("ok", _handle(runner, memory, conn, command, args))
+            except Exception as e:
+                _reply_error(conn, e)
+                if command == "run":
+                    return "failed"
+            else:
+                conn.send(reply)
+        except (EOFError, OSError):
+            return "gone"
 
 
-def _handle(runner, memory, command: str, args: tuple):
+def _handle(runner, memory, conn, command: str, args: tuple):
     if command == "run":
         with torch.inference_mode():
             runner.compute_logits(*args)  # rank 0 samples from the gathered logits
@@ -101,7 +178,15 @@ def _handle(runner, memory, command: str, args: tuple):
     if command == "reload_weights":
         return runner.reload_weights(*args)
     if command == "update_weights":
-        return runner.update_weights(*args)
+        (strict,) = args
+        tensors = receive_tensors(conn, runner.device)
+        try:
+            return runner.update_weights(tensors, strict)
+        finally:
+            for _ in tensors:  # after a failure here: meet rank 0's remaining broadcasts until its "end"
+                pass
+    if command == "info":
+        return rank_info(runner, memory)
     raise ValueError(f"unknown worker command {command!r}")
 
 
@@ -114,6 +199,37 @@ def _reply_error(conn, error: BaseException) -> None:
     conn.send(("error", (error, detail)))
 
 
+# ---- weights from rank 0, through the process group --------------------------------------------
+# `update_weights` streams: for every tensor rank 0 sends its (name, shape, dtype) through each pipe and
+# broadcasts the data over the process group (NCCL on GPU: device to device, no host copy, no shared
+# memory; one tensor at a time on each device); ("end",) closes the stream.
+
+def send_tensors(conns, named_tensors, device: torch.device):
+    """Rank 0: yields (name, tensor on `device`) while every worker receives the same tensor."""
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to(device).contiguous()
+        for conn in conns:
+            conn.send(("tensor", name, tuple(tensor.shape), tensor.dtype))
+        yield name, broadcast_from_rank0(tensor)
+
+
+def end_tensors(conns) -> None:
+    """Rank 0: the stream is over (also after a failure on rank 0: the workers stop receiving)."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(("end",))
+
+
+def receive_tensors(conn, device: torch.device):
+    """A worker: yields (name, tensor on `device`) for every tensor rank 0 sends, until its "end"."""
+    while True:
+        message = conn.recv()
+        if message[0] == "end":
+            return
+        _, name, shape, dtype = message
+        yield name, broadcast_from_rank0(torch.empty(shape, dtype=dtype, device=device))
+
+
 # ---- rank 0's side -----------------------------------------------------------------------------
 class WorkerGroup:
     """Ranks 1..size-1 as spawned processes; rank 0 (this process) joins the same process group."""
@@ -121,37 +237,51 @@ class WorkerGroup:
     def __init__(self, config: EngineConfig, memory_options: dict[int, dict] | None) -> None:
         """`memory_options`: None = no MemoryManager on the workers; else rank -> MemoryManager kwargs."""
         self.size, self.timeout_s = config.tensor_parallel_size, config.tp_timeout_s
-        self.broken: str | None = None
         if torch.distributed.is_initialized():
             raise RuntimeError("this process already belongs to a process group (another tensor-parallel engine?): "
                                "close() it first; one tensor-parallel engine per process")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists
+        check_devices(config)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists; workers inherit it
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self.processes, self.conns = [], []
-        for rank in range(1, self.size):
-            parent, child = ctx.Pipe()
-            options = None if memory_options is None else dict(memory_options.get(rank, {}))
-            process = ctx.Process(target=worker_main, name=f"torpor-tp-rank{rank}", daemon=True,
-                                  args=(rank, self.size, rank_config(config, rank), init_method, options, child))
-            process.start()
-            child.close()
-            self.processes.append(process)
-            self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.conns)
-        init_tensor_parallel(0, self.size, init_method, torch.device(config.device), self.timeout_s)
+        self._state: dict = {"broken": None, "closing": False, "aborted": False}  # shared: finalizer, watch
+        self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.conns, self._state)
+        try:
+            for rank in range(1, self.size):
+                parent, child = ctx.Pipe()
+                options = None if memory_options is None else dict(memory_options.get(rank, {}))
+                process = ctx.Process(target=worker_main, name=f"torpor-tp-rank{rank}", daemon=True,
+                                      args=(rank, self.size, rank_config(config, rank), init_method, options, child))
+                process.start()
+                child.close()
+                self.processes.append(process)
+                self.conns.append(parent)
+            init_tensor_parallel(0, self.size, init_method, torch.device(config.device), self.timeout_s)
+        except BaseException:
+            self.close(healthy=False)
+            raise
+        threading.Thread(target=_watch_workers, args=(self.processes, self._state), name="torpor-tp-watch",
+                         daemon=True).start()
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group cannot be used any more (None while it can)."""
+        return self._state["broken"]
 
     def send(self, command: str, *args, ranks: list[int] | None = None) -> None:
         self.check_usable()
         for rank in ranks or range(1, self.size):
             self.conns[rank - 1].send((command, args))
 
-    def collect(self, what: str, ranks: list[int] | None = None) -> tuple[dict[int, object], dict[int, RankError]]:
+    def collect(self, what: str, ranks: list[int] | None = None,
+                timeout_s: float | None = None) -> tuple[dict[int, object], dict[int, RankError]]:
         """Every worker's reply: (results, errors) by rank. Raises WorkerDiedError when a worker exits
-        or stays silent past the timeout (the group is then unusable)."""
+        or stays silent past `timeout_s` (default tp_timeout_s; the group is then unusable)."""
         results, errors = {}, {}
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         for rank in ranks or range(1, self.size):
-            status, value = self._reply(rank, what)
+            status, value = self._reply(rank, what, deadline)
             if status == "ok":
                 results[rank] = value
             else:
@@ -159,20 +289,34 @@ class WorkerGroup:
                 errors[rank] = RankError(rank, error, f"\n--- rank {rank} traceback ---\n{detail}")
         return results, errors
 
-    def _reply(self, rank: int, what: str):
+    def _reply(self, rank: int, what: str, deadline: float):
         conn, process = self.conns[rank - 1], self.processes[rank - 1]
-        deadline = time.monotonic() + self.timeout_s
+        waited = time.monotonic()
         while not conn.poll(0.05):
             if not process.is_alive():
                 self._break(f"tensor-parallel rank {rank} (pid {process.pid}) died during {what} "
                             f"(exit code {process.exitcode})")
             if time.monotonic() > deadline:
                 self._break(f"tensor-parallel rank {rank} (pid {process.pid}) did not answer {what} within "
-                            f"{self.timeout_s:.0f} s (tp_timeout_s)")
+                            f"{time.monotonic() - waited:.0f} s")
         try:
             return conn.recv()
         except (EOFError, OSError):
             self._break(f"tensor-parallel rank {rank} (pid {process.pid}) closed its pipe during {what}")
+
+    def early_errors(self, wait_s: float = 2.0) -> dict[int, RankError]:
+        """The errors workers already reported or report within `wait_s` (a failed start-up), by rank."""
+        errors, deadline = {}, time.monotonic() + wait_s
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                if conn.poll(max(0.0, deadline - time.monotonic())):
+                    status, value = conn.recv()
+                    if status == "error":
+                        error, detail = value
+                        errors[rank] = RankError(rank, error, f"\n--- rank {rank} traceback ---\n{detail}")
+            except (EOFError, OSError):
+                pass
+        return errors
 
     def dead_workers(self) -> list[str]:
         return [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})"
@@ -186,26 +330,60 @@ class WorkerGroup:
             self._break(f"worker process(es) died: {', '.join(dead)}")
 
     def _break(self, reason: str):
-        self.broken = reason
+        self._state["broken"] = reason
         raise WorkerDiedError(reason)
 
-    def close(self) -> None:
-        """Ask the workers to exit, then make sure they did; leave the process group."""
+    def close(self, healthy: bool = True) -> None:
+        """Stop the workers and leave the process group (once; later calls do nothing).
+
+        Healthy (every worker alive and idle): the workers are told to exit and every rank, this one
+        included, leaves the group at the same time (NCCL's teardown is collective across the ranks).
+        Otherwise (a worker died or hangs, or start-up failed: `healthy=False`) the workers are killed
+        first and this rank's communicator is aborted."""
+        if not healthy and self._state["broken"] is None:
+            self._state["broken"] = "its start-up failed"
         self._finalizer()
-        shutdown_tensor_parallel()
 
 
-def _shutdown(processes, conns) -> None:
-    for conn, process in zip(conns, processes, strict=True):
-        if process.is_alive():
-            with contextlib.suppress(OSError, ValueError):
+def _watch_workers(processes, state: dict) -> None:
+    """Rank 0's watch over its workers, for the group's life: a worker that dies breaks the group and,
+    on NCCL, aborts rank 0's communicator. NCCL never notices a dead peer on the same host; a collective
+    rank 0 is blocked in (a start-up collective while a worker fails to load, a step while a worker is
+    killed) would wait for tp_timeout_s, then PyTorch's watchdog would end the whole process."""
+    while not state["closing"]:
+        dead = [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})" for i, p in enumerate(processes)
+                if not p.is_alive()]
+        if dead and not state["closing"]:
+            if state["broken"] is None:
+                state["broken"] = f"worker process(es) died: {', '.join(dead)}"
+            state["aborted"] = abort_if_nccl()
+            return
+        time.sleep(0.1)
+
+
+def _shutdown(processes, conns, state: dict) -> None:
+    state["closing"] = True
+    healthy = state["broken"] is None and all(p.is_alive() for p in processes)
+    if healthy:
+        for conn in conns:
+            try:
                 conn.send(("exit", ()))
-    for conn, process in zip(conns, processes, strict=True):
-        process.join(timeout=10)
+            except (OSError, ValueError):
+                healthy = False
+    if healthy:
+        shutdown_tensor_parallel(healthy=True, timeout_s=TEARDOWN_TIMEOUT_S)  # meets the workers' own teardown
+        for process in processes:
+            process.join(timeout=30)
+    for process in processes:  # not healthy, or a worker that did not exit
         if process.is_alive():
-            process.terminate()
-            process.join(timeout=5)
+            process.kill()
+            process.join(timeout=10)
+    if not healthy:
+        shutdown_tensor_parallel(healthy=False, timeout_s=30)
+    for conn in conns:
         conn.close()
+    if state["broken"] is None:
+        state["broken"] = "it was closed"
 
 
 def _free_port() -> int:

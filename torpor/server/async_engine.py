@@ -131,7 +131,8 @@ class AsyncEngine:
         return await self.call(self.engine.is_sleeping)
 
     async def memory_usage(self) -> dict:
-        return await self.call(self.engine.memory_usage)
+        """The engine's memory usage; under tensor parallelism with every rank's ("ranks")."""
+        return await self.call(self._memory_usage)
 
     async def stats(self) -> dict:
         """Request counts and, with sleep mode, `memory_usage()`, read consistently between steps."""
@@ -151,6 +152,7 @@ class AsyncEngine:
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            _use_engine_device(self.engine)
             while True:
                 try:
                     while True:  # commands first: they are cheap, and a sleep must not wait behind work
@@ -240,6 +242,13 @@ class AsyncEngine:
             if command is not None and command[2] is not None:
                 self._post(_resolve, command[2], None, error)
 
+    def _memory_usage(self) -> dict:
+        if self.config.tensor_parallel_size == 1:
+            return self.engine.memory_usage()
+        from torpor.engine.parallel_runner import usage_with_ranks
+
+        return usage_with_ranks(self.engine)
+
     def _stats(self) -> dict:
         scheduler = self.engine.scheduler
         memory = self.engine.memory_usage() if self.engine.sleep_mode is not None else None
@@ -300,3 +309,14 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
 def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
     for request_queue, item in deliveries:
         request_queue.put_nowait(item)
+
+
+def _use_engine_device(engine) -> None:
+    """Make the engine's CUDA device current in this thread: a new thread starts on cuda:0, and the
+    engine's kernels (Triton launches, graph replays) and tensors must be on its device (`--device cuda:1`,
+    or rank 0 of a tensor-parallel engine placed after cuda:0)."""
+    device = getattr(getattr(engine, "model_runner", None), "device", None)
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
