@@ -12,10 +12,20 @@ device memory, measured on an H200), which would stay while the engine sleeps.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+# Streams of closed engines, per device, for the next engine. A stream is never destroyed: pinned host
+# buffers that took part in its copies record an event on it when they are freed, which may be after
+# the engine is gone (a destroyed stream then aborts the process).
+_SPARE_STREAMS: dict[int, list[Any]] = {}
+_NUM_OPEN: dict[int, int] = {}  # engine streams in use, per device
+_SPARE_LOCK = threading.Lock()
 
 
 class EngineStream:
@@ -28,9 +38,14 @@ class EngineStream:
         if device.type == "cuda":
             from torpor.memory import cuda_driver
 
-            with torch.cuda.device(device):
-                torch.zeros(1, device=device)  # the primary context exists and is current
-                self._handle = cuda_driver.stream_create()
+            with _SPARE_LOCK:
+                spare = _SPARE_STREAMS.get(device.index, [])
+                self._handle = spare.pop() if spare else None
+                _NUM_OPEN[device.index] = _NUM_OPEN.get(device.index, 0) + 1
+            if self._handle is None:
+                with torch.cuda.device(device):
+                    torch.zeros(1, device=device)  # the primary context exists and is current
+                    self._handle = cuda_driver.stream_create()
             self.stream = torch.cuda.ExternalStream(int(self._handle), device=device)
 
     @contextlib.contextmanager
@@ -59,13 +74,18 @@ class EngineStream:
             F.linear(a, a, a[0])
 
     def close(self) -> None:
-        """Drop PyTorch's cached cuBLAS workspaces (the engine's live in its memory tags, which are
-        going away; PyTorch makes new ones for other streams on their next GEMM) and destroy the stream."""
-        if self._handle is None:
+        """The last engine of a device drops PyTorch's cached cuBLAS workspaces (the engine's live in its
+        memory tags, which are going away; PyTorch makes new ones for other streams on their next GEMM)
+        and keeps its stream for the next engine. While other engines run, clearing would also drop their
+        workspaces, which their graphs hold: the workspaces and the stream then stay until the process
+        ends. Nothing happens while the interpreter shuts down."""
+        if self._handle is None or sys.is_finalizing():
             return
-        from torpor.memory import cuda_driver
-
+        index = self.device.index
         torch.cuda.synchronize(self.device)
-        torch._C._cuda_clearCublasWorkspaces()
-        cuda_driver.stream_destroy(self._handle)
+        with _SPARE_LOCK:
+            _NUM_OPEN[index] -= 1
+            if _NUM_OPEN[index] == 0:
+                torch._C._cuda_clearCublasWorkspaces()
+                _SPARE_STREAMS.setdefault(index, []).append(self._handle)
         self._handle, self.stream = None, None
