@@ -117,12 +117,14 @@ def test_every_tag_holds_its_buffers_and_nothing_escapes(checkpoints):
 def test_kv_cache_is_sized_from_gpu_memory_utilization(checkpoints):
     path = str(checkpoints["bfloat16"])
     total = torch.cuda.mem_get_info()[1]
-    budget = utilization(0.01)  # 1% of the device beyond what is in use: the KV cache is budget-limited
+    # 2% of the device beyond what is in use: the KV cache is budget-limited. Start-up takes a fixed part
+    # of it (the profiled step's peak, the stream's cuBLAS workspaces, kernel code; ~0.8 GB on an H200).
+    budget = utilization(0.02)
     llm = LLM(path, device="cuda", max_model_len=4096, max_num_seqs=1024, enforce_eager=True,
               gpu_memory_utilization=budget)
     config, kv_bytes = llm.config, llm.engine.model_runner.kv_cache.nbytes
     assert config.num_kv_blocks < config.max_num_seqs * config.max_num_blocks_per_seq
-    assert kv_bytes > 0.005 * total  # most of the 1% went to the cache
+    assert kv_bytes > 0.01 * total  # most of the 2% went to the cache
     assert total - torch.cuda.mem_get_info()[0] <= budget * total  # and the engine stayed within its budget
     outputs = llm.generate(prompts(), PARAMS)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in PARAMS]
