@@ -49,6 +49,8 @@ def features() -> None:
     meter = Meter()
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     meter("two 32 MiB tensors (expected +64)")
+    torch.cuda.current_blas_handle()
+    meter("cuBLAS handle alone (no GEMM yet)")
     b = a @ a
     meter("first bf16 matmul on the default stream (cuBLAS handle + workspace)")
     torch.nn.functional.linear(a, a, a[0])

@@ -101,6 +101,15 @@ def host_alloc_pinned(size: int) -> int:
     return int(check("cuMemHostAlloc", driver().cuMemHostAlloc(size, 0)))
 
 
+def host_register(ptr: int, size: int) -> None:
+    """Page-lock existing host memory [ptr, ptr + size) for the device's copies."""
+    check("cuMemHostRegister", driver().cuMemHostRegister(ptr, size, 0))
+
+
+def host_unregister(ptr: int) -> None:
+    check("cuMemHostUnregister", driver().cuMemHostUnregister(ptr))
+
+
 def host_free_pinned(ptr: int) -> None:
     check("cuMemFreeHost", driver().cuMemFreeHost(ptr))
 
