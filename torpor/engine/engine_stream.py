@@ -33,6 +33,7 @@ class EngineStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._blas_threads: set[int] = set()  # threads whose cuBLAS handle has workspaces on this stream
         self._handle = None
         self.stream: torch.cuda.ExternalStream | None = None
         if device.type == "cuda":
@@ -63,11 +64,17 @@ class EngineStream:
         finally:
             caller.wait_stream(self.stream)
 
+    def has_blas_workspaces(self) -> bool:
+        """Whether this thread's cuBLAS handle has its workspaces on the stream (always True on CPU).
+        PyTorch keeps one cuBLAS handle per thread, and a workspace per handle and stream."""
+        return self.stream is None or threading.get_ident() in self._blas_threads
+
     def make_blas_workspaces(self, dtype: torch.dtype) -> None:
-        """The stream's cuBLAS and cuBLASLt workspaces, made now (call inside the memory tag that should
-        hold them): a GEMM and a GEMM with a bias epilogue, in the model's dtype."""
+        """This thread's cuBLAS and cuBLASLt workspaces on the stream, made now (call inside the memory
+        tag that should hold them): a GEMM and a GEMM with a bias epilogue, in the model's dtype."""
         if self.stream is None:
             return
+        self._blas_threads.add(threading.get_ident())
         with self.scope():
             a = torch.ones(16, 16, device=self.device, dtype=dtype)
             F.linear(a, a)

@@ -74,9 +74,7 @@ class ModelRunner:
             self.backend = TritonAttentionBackend()
         else:
             self.backend = TorchAttentionBackend()
-        if on_gpu:
-            with self._tag("workspace"):
-                self.engine_stream.make_blas_workspaces(self.dtype)  # before any other GEMM on the stream
+        self._ensure_blas_workspaces()  # before any other GEMM on the stream
         with self._tag("weights"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
             load_weights(self.model, config.model)
@@ -89,6 +87,14 @@ class ModelRunner:
         self._allocate_runtime()
         if on_gpu:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
+
+    def _ensure_blas_workspaces(self) -> None:
+        """This thread's cuBLAS workspaces on the engine's stream, in the `workspace` tag. Start-up makes
+        them for its thread; a thread that runs steps later (the server's engine thread) has its own
+        cuBLAS handle and gets them here, before its first GEMM."""
+        if not self.engine_stream.has_blas_workspaces():
+            with self._tag("workspace"):
+                self.engine_stream.make_blas_workspaces(self.dtype)
 
     def close(self) -> None:
         """Free the graphs, then the engine's stream and its cuBLAS workspaces (also done when the
@@ -165,12 +171,14 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         """Run one scheduled batch and sample the next token of each sequence. A prefill also fills
         `seq.prompt_logprobs` of the sequences that asked for them (once, at their first prefill)."""
+        self._ensure_blas_workspaces()
         with self.engine_stream.scope():
             return self.sampler(self._compute_logits(seqs, is_prefill), seqs)
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The batch's forward pass up to the logits [num_seqs, vocab_size] (what tensor-parallel
         workers run; call under inference mode)."""
+        self._ensure_blas_workspaces()
         with self.engine_stream.scope():
             return self._compute_logits(seqs, is_prefill)
 
