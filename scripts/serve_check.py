@@ -43,6 +43,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 400.0) -> fl
     raise SystemExit(f"the server was not healthy after {timeout:.0f} s")
 
 
+def bare_context_mib() -> float | None:
+    """Device memory in use with only a CUDA context and torch (a short-lived process); None without CUDA."""
+    code = ("import torch\nif torch.cuda.is_available():\n    torch.zeros(1, device='cuda')\n"
+            "    free, total = torch.cuda.mem_get_info()\n    print((total - free) / 2**20)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return float(out.stdout) if out.stdout.strip() else None
+
+
 def greedy_answers(http: httpx.Client, model: str) -> list[tuple]:
     answers = []
     for prompt in ([1, 2, 3, 4, 5], list(range(100, 400)), "The quick brown fox"):
@@ -109,6 +117,7 @@ def main() -> int:
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     url = f"http://127.0.0.1:{args.port}"
+    bare = bare_context_mib()
     proc = start_server(args.model, args.port, extra)
     try:
         print(f"healthy after {wait_healthy(url, proc):.1f} s", flush=True)
@@ -121,9 +130,9 @@ def main() -> int:
             admin.post("/sleep", params={"level": level}).raise_for_status()
             sleep_s = time.monotonic() - start
             check(admin.get("/is_sleeping").json() == {"is_sleeping": True}, f"level {level}: is_sleeping")
-            memory = admin.get("/memory").json()
-            print(f"     asleep at level {level}: device used {memory['device_used_bytes'] / MiB:.0f} MiB, "
-                  f"sleep {sleep_s:.2f} s", flush=True)
+            used = admin.get("/memory").json()["device_used_bytes"] / MiB
+            over = "" if bare is None else f" ({used - bare:+.0f} over a bare context of {bare:.0f} MiB)"
+            print(f"     asleep at level {level}: device used {used:.0f} MiB{over}, sleep {sleep_s:.2f} s", flush=True)
             if level == 1:
                 answered, seconds = asyncio.run(concurrent_after_wake(url, admin, model, args.requests))
                 check(answered == args.requests, f"{answered}/{args.requests} concurrent requests sent while "
