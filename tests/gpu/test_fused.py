@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
+from fused_checks import NORM_ULP, assert_heads_match, assert_matches, random_rows  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from torpor.engine.models.layers import fused  # noqa: E402
@@ -26,54 +27,7 @@ if isinstance(fused._rms_norm_kernel, InterpretedFunction):
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-6
-# The norms reduce their sum of squares in another order than PyTorch, so the normalized value h * rsqrt(...)
-# can come out 1 ulp off after rounding; times a weight of |w| < 1 that is up to 2 ulp of the (smaller) output.
-NORM_ULP = 2
 DEVICE = "cuda"
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise distance in units in the last place between two 16-bit float tensors of one dtype."""
-    keys = []
-    for t in (a, b):
-        bits = t.contiguous().view(torch.int16).to(torch.int32)
-        keys.append(torch.where(bits < 0, -(bits & 0x7FFF), bits))  # sign-magnitude -> monotonic integers
-    return (keys[0] - keys[1]).abs()
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, *, exact: bool = False, max_ulp: int = 1) -> None:
-    """exact: bit for bit. Otherwise fp32 within 1e-5 of max |ref|; 16-bit at most `max_ulp` ulp, in < 1%."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    if out.numel() == 0:
-        return
-    if exact:
-        assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} elements differ"
-    elif out.dtype == torch.float32:
-        assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
-    else:
-        ulps = ulp_distance(out, ref)
-        assert ulps.max().item() <= max_ulp, f"{ulps.max().item()} ulp"
-        assert (ulps > 0).float().mean().item() < 0.01, f"{(ulps > 0).sum().item()} of {out.numel()} differ"
-
-
-def assert_heads_match(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> None:
-    """Norm then rotary, 16-bit: a 1-ulp difference left by the norm is rotated into outputs that may be much
-    smaller than their inputs, so the error is measured in ulps of the head's largest value: NORM_ULP, in < 1%."""
-    if out.dtype == torch.float32 or out.numel() == 0:
-        assert_matches(out, ref)
-        return
-    assert (out != ref).float().mean().item() < 0.01, f"{(out != ref).sum().item()} of {out.numel()} differ"
-    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[out.dtype]
-    out, ref = (t.reshape(t.shape[0], -1, head_dim).float() for t in (out, ref))
-    head_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(-1, keepdim=True))) - mantissa_bits)
-    assert ((out - ref).abs() <= NORM_ULP * head_ulp).all(), f"{((out - ref).abs() / head_ulp).max().item()} head ulp"
-
-
-def random_rows(num_rows: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    x, residual = (torch.randn(num_rows, hidden, generator=g, device=DEVICE).to(dtype) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(hidden, generator=g, device=DEVICE)).to(dtype)
-    return 3 * x, residual, weight
 
 
 NORM_SHAPES = [(0, 64), (1, 64), (7, 1000), (1, 4096), (256, 4096), (3, 16384)]
@@ -82,7 +36,7 @@ NORM_SHAPES = [(0, 64), (1, 64), (7, 1000), (1, 4096), (256, 4096), (3, 16384)]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_rows", "hidden"), NORM_SHAPES)
 def test_add_rms_norm(dtype, num_rows, hidden):
-    x, residual, weight = random_rows(num_rows, hidden, dtype, seed=num_rows)
+    x, residual, weight = random_rows(num_rows, hidden, dtype, seed=num_rows, device=DEVICE)
     out, residual_out = fused.add_rms_norm(x, residual, weight, EPS)
     ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
     assert torch.equal(residual_out, x + residual)
@@ -97,7 +51,7 @@ def test_add_rms_norm(dtype, num_rows, hidden):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_rows", "hidden"), NORM_SHAPES)
 def test_rms_norm(dtype, num_rows, hidden):
-    x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows)
+    x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows, device=DEVICE)
     assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
 
 
@@ -153,7 +107,7 @@ def test_fused_available():
 
 
 def test_cuda_graph_replay():
-    x, residual, weight = random_rows(1, 4096, torch.bfloat16, seed=0)
+    x, residual, weight = random_rows(1, 4096, torch.bfloat16, seed=0, device=DEVICE)
     qkv, cos_sin, q_weight, k_weight = qkv_case(1, 32, 8, 128, torch.bfloat16, norm=True, seed=0)
     gate_up = torch.randn(1, 2 * 12288, device=DEVICE).bfloat16()
     qkv_in = qkv.clone()
@@ -168,7 +122,7 @@ def test_cuda_graph_replay():
     with torch.cuda.graph(graph):
         outputs = step()
     for seed in (1, 2):
-        new_x, new_residual, _ = random_rows(1, 4096, torch.bfloat16, seed=seed)
+        new_x, new_residual, _ = random_rows(1, 4096, torch.bfloat16, seed=seed, device=DEVICE)
         x.copy_(new_x)
         residual.copy_(new_residual)
         gate_up.normal_()
