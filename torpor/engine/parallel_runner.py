@@ -16,7 +16,8 @@ from torpor.engine.model_runner import ModelRunner
 from torpor.engine.models import ModelConfig
 from torpor.engine.sampler import SamplerOutput
 from torpor.engine.sequence import Sequence
-from torpor.engine.worker import RankError, WorkerGroup, end_tensors, rank_info, send_tensors
+from torpor.engine.worker import rank_info
+from torpor.engine.worker_group import RankError, WorkerGroup, end_tensors, send_tensors
 
 STEP_FAILURE_WAIT_S = 10.0  # a step failed on rank 0: how long the workers may take to answer it
 

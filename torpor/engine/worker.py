@@ -4,8 +4,7 @@ MemoryManager, driven by rank 0 through one `Pipe` per worker.
 Rank 0 sends a pickled `(command, args)`; the worker runs it (the forward passes meet in the layers'
 collectives) and answers `("ok", result)` or `("error", exception)`. Commands: run, sleep, wake,
 reload_weights, update_weights (the tensors follow through the process group, see `receive_tensors`),
-info, exit. `WorkerGroup` is rank 0's side: it starts the workers, sends commands, and turns a dead
-worker or a reply that never comes into a clear error instead of a hang.
+info, exit. Rank 0's side, `WorkerGroup`, is in worker_group.py.
 
 Workers ignore SIGINT (Ctrl-C reaches the whole process group of a terminal; rank 0 alone decides when
 the workers stop) and exit on their own when rank 0 goes away.
@@ -18,19 +17,15 @@ import dataclasses
 import os
 import pickle
 import signal
-import socket
 import threading
 import time
 import traceback
-import weakref
 from dataclasses import asdict
 
 import torch
-import torch.multiprocessing as mp
 
 from torpor.engine.config import EngineConfig
 from torpor.engine.distributed import (
-    abort_if_nccl,
     broadcast_from_rank0,
     init_tensor_parallel,
     shutdown_tensor_parallel,
@@ -40,36 +35,12 @@ from torpor.engine.distributed import (
 TEARDOWN_TIMEOUT_S = 60.0  # leaving the process group together (a healthy close) takes well under this
 
 
-class RankError(RuntimeError):
-    """A command failed on one rank; `cause` is that rank's exception (type kept when it pickles)."""
-
-    def __init__(self, rank: int, cause: BaseException, detail: str = "") -> None:
-        super().__init__(f"tensor-parallel rank {rank}: {type(cause).__name__}: {cause}{detail}")
-        self.rank, self.cause = rank, cause
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process exited, or did not answer in time; the engine cannot run any more."""
-
-
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of one rank: on GPU, rank r uses the device r places after rank 0's."""
     if not config.device.startswith("cuda"):
         return config
     first = int(config.device.partition(":")[2] or 0)
     return dataclasses.replace(config, device=f"cuda:{first + rank}")
-
-
-def check_devices(config: EngineConfig) -> None:
-    """On GPU, raise before any process starts unless the devices of every rank are visible."""
-    if not config.device.startswith("cuda"):
-        return
-    first = int(config.device.partition(":")[2] or 0)
-    last, count = first + config.tensor_parallel_size - 1, torch.cuda.device_count()
-    if last >= count:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} on {config.device} needs devices "
-                         f"cuda:{first}..cuda:{last} (one per rank), but {count} CUDA device(s) are visible "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
 def rank_info(runner, memory) -> dict:
@@ -204,22 +175,6 @@ def _reply_error(conn, error: BaseException) -> None:
 # broadcasts the data over the process group (NCCL on GPU: device to device, no host copy, no shared
 # memory; one tensor at a time on each device); ("end",) closes the stream.
 
-def send_tensors(conns, named_tensors, device: torch.device):
-    """Rank 0: yields (name, tensor on `device`) while every worker receives the same tensor."""
-    for name, tensor in named_tensors:
-        tensor = tensor.detach().to(device).contiguous()
-        for conn in conns:
-            conn.send(("tensor", name, tuple(tensor.shape), tensor.dtype))
-        yield name, broadcast_from_rank0(tensor)
-
-
-def end_tensors(conns) -> None:
-    """Rank 0: the stream is over (also after a failure on rank 0: the workers stop receiving)."""
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send(("end",))
-
-
 def receive_tensors(conn, device: torch.device):
     """A worker: yields (name, tensor on `device`) for every tensor rank 0 sends, until its "end"."""
     while True:
@@ -228,165 +183,3 @@ def receive_tensors(conn, device: torch.device):
             return
         _, name, shape, dtype = message
         yield name, broadcast_from_rank0(torch.empty(shape, dtype=dtype, device=device))
-
-
-# ---- rank 0's side -----------------------------------------------------------------------------
-class WorkerGroup:
-    """Ranks 1..size-1 as spawned processes; rank 0 (this process) joins the same process group."""
-
-    def __init__(self, config: EngineConfig, memory_options: dict[int, dict] | None) -> None:
-        """`memory_options`: None = no MemoryManager on the workers; else rank -> MemoryManager kwargs."""
-        self.size, self.timeout_s = config.tensor_parallel_size, config.tp_timeout_s
-        if torch.distributed.is_initialized():
-            raise RuntimeError("this process already belongs to a process group (another tensor-parallel engine?): "
-                               "close() it first; one tensor-parallel engine per process")
-        check_devices(config)
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists; workers inherit it
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
-        self.processes, self.conns = [], []
-        self._state: dict = {"broken": None, "closing": False, "aborted": False}  # shared: finalizer, watch
-        self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.conns, self._state)
-        try:
-            for rank in range(1, self.size):
-                parent, child = ctx.Pipe()
-                options = None if memory_options is None else dict(memory_options.get(rank, {}))
-                process = ctx.Process(target=worker_main, name=f"torpor-tp-rank{rank}", daemon=True,
-                                      args=(rank, self.size, rank_config(config, rank), init_method, options, child))
-                process.start()
-                child.close()
-                self.processes.append(process)
-                self.conns.append(parent)
-            init_tensor_parallel(0, self.size, init_method, torch.device(config.device), self.timeout_s)
-        except BaseException:
-            self.close(healthy=False)
-            raise
-        threading.Thread(target=_watch_workers, args=(self.processes, self._state), name="torpor-tp-watch",
-                         daemon=True).start()
-
-    @property
-    def broken(self) -> str | None:
-        """Why the group cannot be used any more (None while it can)."""
-        return self._state["broken"]
-
-    def send(self, command: str, *args, ranks: list[int] | None = None) -> None:
-        self.check_usable()
-        for rank in ranks or range(1, self.size):
-            self.conns[rank - 1].send((command, args))
-
-    def collect(self, what: str, ranks: list[int] | None = None,
-                timeout_s: float | None = None) -> tuple[dict[int, object], dict[int, RankError]]:
-        """Every worker's reply: (results, errors) by rank. Raises WorkerDiedError when a worker exits
-        or stays silent past `timeout_s` (default tp_timeout_s; the group is then unusable)."""
-        results, errors = {}, {}
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        for rank in ranks or range(1, self.size):
-            status, value = self._reply(rank, what, deadline)
-            if status == "ok":
-                results[rank] = value
-            else:
-                error, detail = value
-                errors[rank] = RankError(rank, error, f"\n--- rank {rank} traceback ---\n{detail}")
-        return results, errors
-
-    def _reply(self, rank: int, what: str, deadline: float):
-        conn, process = self.conns[rank - 1], self.processes[rank - 1]
-        waited = time.monotonic()
-        while not conn.poll(0.05):
-            if not process.is_alive():
-                self._break(f"tensor-parallel rank {rank} (pid {process.pid}) died during {what} "
-                            f"(exit code {process.exitcode})")
-            if time.monotonic() > deadline:
-                self._break(f"tensor-parallel rank {rank} (pid {process.pid}) did not answer {what} within "
-                            f"{time.monotonic() - waited:.0f} s")
-        try:
-            return conn.recv()
-        except (EOFError, OSError):
-            self._break(f"tensor-parallel rank {rank} (pid {process.pid}) closed its pipe during {what}")
-
-    def early_errors(self, wait_s: float = 2.0) -> dict[int, RankError]:
-        """The errors workers already reported or report within `wait_s` (a failed start-up), by rank."""
-        errors, deadline = {}, time.monotonic() + wait_s
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                if conn.poll(max(0.0, deadline - time.monotonic())):
-                    status, value = conn.recv()
-                    if status == "error":
-                        error, detail = value
-                        errors[rank] = RankError(rank, error, f"\n--- rank {rank} traceback ---\n{detail}")
-            except (EOFError, OSError):
-                pass
-        return errors
-
-    def dead_workers(self) -> list[str]:
-        return [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})"
-                for i, p in enumerate(self.processes) if not p.is_alive()]
-
-    def check_usable(self) -> None:
-        if self.broken is not None:
-            raise WorkerDiedError(f"the tensor-parallel engine is unusable: {self.broken}")
-        dead = self.dead_workers()
-        if dead:
-            self._break(f"worker process(es) died: {', '.join(dead)}")
-
-    def _break(self, reason: str):
-        self._state["broken"] = reason
-        raise WorkerDiedError(reason)
-
-    def close(self, healthy: bool = True) -> None:
-        """Stop the workers and leave the process group (once; later calls do nothing).
-
-        Healthy (every worker alive and idle): the workers are told to exit and every rank, this one
-        included, leaves the group at the same time (NCCL's teardown is collective across the ranks).
-        Otherwise (a worker died or hangs, or start-up failed: `healthy=False`) the workers are killed
-        first and this rank's communicator is aborted."""
-        if not healthy and self._state["broken"] is None:
-            self._state["broken"] = "its start-up failed"
-        self._finalizer()
-
-
-def _watch_workers(processes, state: dict) -> None:
-    """Rank 0's watch over its workers, for the group's life: a worker that dies breaks the group and,
-    on NCCL, aborts rank 0's communicator. NCCL never notices a dead peer on the same host; a collective
-    rank 0 is blocked in (a start-up collective while a worker fails to load, a step while a worker is
-    killed) would wait for tp_timeout_s, then PyTorch's watchdog would end the whole process."""
-    while not state["closing"]:
-        dead = [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})" for i, p in enumerate(processes)
-                if not p.is_alive()]
-        if dead and not state["closing"]:
-            if state["broken"] is None:
-                state["broken"] = f"worker process(es) died: {', '.join(dead)}"
-            state["aborted"] = abort_if_nccl()
-            return
-        time.sleep(0.1)
-
-
-def _shutdown(processes, conns, state: dict) -> None:
-    state["closing"] = True
-    healthy = state["broken"] is None and all(p.is_alive() for p in processes)
-    if healthy:
-        for conn in conns:
-            try:
-                conn.send(("exit", ()))
-            except (OSError, ValueError):
-                healthy = False
-    if healthy:
-        shutdown_tensor_parallel(healthy=True, timeout_s=TEARDOWN_TIMEOUT_S)  # meets the workers' own teardown
-        for process in processes:
-            process.join(timeout=30)
-    for process in processes:  # not healthy, or a worker that did not exit
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=10)
-    if not healthy:
-        shutdown_tensor_parallel(healthy=False, timeout_s=30)
-    for conn in conns:
-        conn.close()
-    if state["broken"] is None:
-        state["broken"] = "it was closed"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
