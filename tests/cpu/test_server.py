@@ -243,6 +243,32 @@ def test_level_2_then_reload_weights(server):
         assert choice_of(waiting.result(timeout=30)) == before
 
 
+def _stream_then_sleep(server, mode: str) -> tuple[int, str]:
+    """A streamed request of CAP tokens; once its first chunk arrived, a level-1 sleep in `mode`. Returns
+    the tokens generated (the usage chunk) and the request's finish reason."""
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": CAP, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    chunks, slept = [], None
+    with ThreadPoolExecutor(1) as pool, server.http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: "):]))
+                if slept is None:  # the request is running: sleep now
+                    slept = pool.submit(server.admin.post, "/sleep", params={"level": 1, "mode": mode})
+        slept.result(timeout=30).raise_for_status()
+    assert server.admin.get("/is_sleeping").json() == {"is_sleeping": True}
+    server.admin.post("/wake_up").raise_for_status()
+    finish_reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    return chunks[-1]["usage"]["completion_tokens"], finish_reasons[-1]
+
+
+def test_sleep_waits_for_running_requests_or_aborts_them(server):
+    assert _stream_then_sleep(server, "wait") == (CAP, "length")  # finished in full, then the engine slept
+    num_tokens, finish_reason = _stream_then_sleep(server, "abort")
+    assert finish_reason == "abort" and 1 <= num_tokens < CAP
+    assert server.admin.post("/sleep", params={"level": 1, "mode": "later"}).status_code == 400
+
+
 def test_rpc_and_memory_occupation_aliases(server):
     before = choice_of(complete(server))
     rpc = server.admin.post("/collective_rpc", json={"method": "sleep", "kwargs": {"level": 1}}).json()
