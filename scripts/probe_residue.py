@@ -147,6 +147,32 @@ def pinning(gib: float = 8.0) -> None:
               f"touch {touched:.2f} s), unregister+unmap {time.perf_counter() - start:.2f} s")
 
 
+def cublas_handles() -> None:
+    """What creating cuBLAS and cuBLASLt handles costs in a bare process, called directly (ctypes on the
+    libraries torch loads), to tell the handles' own memory from their kernels'."""
+    import ctypes
+
+    torch.zeros(1, device="cuda")
+    meter = Meter()
+    with open("/proc/self/maps") as f:  # the libraries torch linked, already loaded
+        paths = {line.split()[-1] for line in f if ".so" in line}
+    libs = {}
+    for name in ("cublas", "cublasLt"):
+        found = sorted(p for p in paths if p.rsplit("/", 1)[-1].startswith(f"lib{name}.so"))
+        libs[name] = ctypes.CDLL(found[0] if found else f"lib{name}.so")
+    handle = ctypes.c_void_p()
+    status = libs["cublas"].cublasCreate_v2(ctypes.byref(handle))
+    meter(f"cublasCreate_v2 (status {status})")
+    lt = ctypes.c_void_p()
+    status = libs["cublasLt"].cublasLtCreate(ctypes.byref(lt))
+    meter(f"cublasLtCreate (status {status})")
+    libs["cublas"].cublasDestroy_v2(handle)
+    libs["cublasLt"].cublasLtDestroy(lt)
+    meter("both destroyed")
+    torch.cuda.current_blas_handle()
+    meter("PyTorch's handle for this thread (workspace included)")
+
+
 def live_untagged_blocks(llm, top: int = 12) -> None:
     """The live blocks in segments of no tag, largest first, with where they were allocated."""
     tagged = set(llm.memory._backend.segments)
@@ -170,7 +196,7 @@ def live_untagged_blocks(llm, top: int = 12) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--part", choices=("features", "engine", "pinning"), required=True,
+    parser.add_argument("--part", choices=("features", "engine", "pinning", "cublas"), required=True,
                         help="run each in its own process")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -182,6 +208,8 @@ def main() -> int:
         features()
     elif args.part == "pinning":
         pinning()
+    elif args.part == "cublas":
+        cublas_handles()
     else:
         engine(resolve_model(args.model, "cuda"))
     return 0
