@@ -60,7 +60,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.engine_stream = EngineStream(self.device)
-        # Stream and workspaces go when the runner does (after the graphs that use them).
+        # The stream and the workspaces are given up when the runner goes (see EngineStream.close).
         self._finalizer = weakref.finalize(self, self.engine_stream.close)
         self._finalizer.atexit = False  # no CUDA calls while the interpreter shuts down
         with self.engine_stream.scope():
@@ -97,8 +97,9 @@ class ModelRunner:
                 self.engine_stream.make_blas_workspaces(self.dtype)
 
     def close(self) -> None:
-        """Free the graphs, then the engine's stream and its cuBLAS workspaces (also done when the
-        runner is collected). The runner cannot run afterwards."""
+        """Free the graphs, then give up the engine's stream (kept for the next engine) and, if no other
+        engine runs on this device, PyTorch's cuBLAS workspaces (also done when the runner is collected).
+        The runner cannot run afterwards."""
         self.graphs = None
         self._finalizer()
 
