@@ -265,3 +265,17 @@ def test_reserve_host_makes_the_copies_ahead_of_the_first_sleep(tmp_path):
     assert [s.backup for s in mm._backend.of_tag("w")] == backups  # the sleep used the reserved copies
     mm.wake()
     assert torch.equal(w, ref) and float(big[0]) == 1.0
+
+
+def test_pinned_buffers_refuse_more_than_the_host_has_before_touching_it():
+    """Large pinned copies are mmaps touched before registration: asking for more than MemAvailable must
+    be a MemoryError (the CUDA backend turns it into HostMemoryError), not a visit of the OOM killer."""
+    from torpor.memory.host_buffer import HostBuffer, check_available
+
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    with pytest.raises(MemoryError, match="MiB available"):
+        check_available(2 * total)
+    with pytest.raises(MemoryError, match="MiB available"):
+        HostBuffer.allocate(2 * total, "pinned")  # refused before any CUDA call
+    check_available(MiB)  # a small one is fine

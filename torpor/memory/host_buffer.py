@@ -49,6 +49,7 @@ class HostBuffer:
     @classmethod
     def _register(cls, size: int) -> HostBuffer | None:
         """A huge-page-backed mmap, touched in parallel, then registered; None where the driver refuses."""
+        check_available(size)  # touching memory the host does not have would summon the OOM killer
         m, base = _anonymous_map(size + _HUGE_PAGE)
         ptr = -(-base // _HUGE_PAGE) * _HUGE_PAGE  # 2 MiB aligned, so every page can be a huge one
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -69,6 +70,18 @@ class HostBuffer:
                 cuda_driver.host_unregister(self.ptr)
             self._mmap.close()
         self.ptr = 0
+
+
+def check_available(size: int) -> None:
+    """MemoryError if the host's available memory (MemAvailable) is smaller than `size` bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return  # not Linux: cuMemHostRegister or the touch reports it
+    if size > available:
+        raise MemoryError(f"{size / 2**20:.0f} MiB of pinned memory asked for, {available / 2**20:.0f} MiB available")
 
 
 def _anonymous_map(size: int) -> tuple[mmap.mmap, int]:
