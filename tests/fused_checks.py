@@ -55,3 +55,44 @@ def random_rows(
     x, residual = (torch.randn(num_rows, hidden, generator=g, device=device).to(dtype) for _ in range(2))
     weight = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(dtype)
     return 3 * x, residual, weight  # the residual stream is larger than one layer's output in real models
+
+
+def qkv_case(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    norm: bool,
+    seed: int,
+    device: str = "cpu",
+    max_positions: int = 4096,
+) -> tuple:
+    """qkv [T, (num_heads + 2 * num_kv_heads) * head_dim], cos_sin at random positions, q/k norm weights
+    (None without `norm`)."""
+    from torpor.engine.models.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device).manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=g, device=device).to(dtype)
+    rotary = RotaryEmbedding(head_dim, max_positions=max_positions, theta=1e6, scaling=None).to(device)
+    cos_sin = rotary(torch.randint(0, max_positions, (num_tokens,), generator=g, device=device))
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g, device=device)).to(dtype) for _ in range(2)]
+    return qkv, cos_sin, *(weights if norm else [None, None])
+
+
+def check_qk_norm_rope(fused, case: tuple, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """qk_norm_rope_ against its reference on `case` (from qkv_case): v untouched, q/k within the norms'
+    ulps (exact for rotary alone: the same fp32 products). Returns what qk_norm_rope_ returned."""
+    qkv, cos_sin, q_weight, k_weight = case
+    out, ref = qkv.clone(), qkv.clone()
+    args = (cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps)
+    returned = fused.qk_norm_rope_(out, *args)
+    fused.qk_norm_rope_reference(ref, *args)
+    v_start = (num_heads + num_kv_heads) * head_dim
+    assert torch.equal(out[:, v_start:], qkv[:, v_start:])  # v untouched
+    if q_weight is not None:
+        assert_heads_match(out[:, :v_start], ref[:, :v_start], head_dim)
+    else:
+        assert_matches(out[:, :v_start], ref[:, :v_start], exact=True)
+    return returned

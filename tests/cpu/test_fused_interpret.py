@@ -24,10 +24,15 @@ if not isinstance(triton.language.cdiv, InterpretedFunction):
         allow_module_level=True,
     )
 
-from fused_checks import NORM_ULP, assert_heads_match, assert_matches, random_rows  # noqa: E402
+from fused_checks import (  # noqa: E402
+    NORM_ULP,
+    assert_matches,
+    check_qk_norm_rope,
+    qkv_case,
+    random_rows,
+)
 
 from torpor.engine.models.layers import fused  # noqa: E402
-from torpor.engine.models.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-6
@@ -68,15 +73,6 @@ def test_norm_of_strided_rows():
     assert torch.equal(residual_out, ref_residual)
 
 
-def qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed):
-    g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
-    rotary = RotaryEmbedding(head_dim, max_positions=4096, theta=1e6, scaling=None)
-    cos_sin = rotary(torch.randint(0, 4096, (num_tokens,), generator=g))
-    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)] if norm else [None, None]
-    return qkv, cos_sin, *weights
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [0, 1, 7])
 @pytest.mark.parametrize(
@@ -89,17 +85,8 @@ def qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed):
     ],
 )
 def test_qk_norm_rope(dtype, num_tokens, num_heads, num_kv_heads, head_dim, norm):
-    qkv, cos_sin, q_weight, k_weight = qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed=1)
-    out, ref = qkv.clone(), qkv.clone()
-    args = (cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight, EPS)
-    assert fused.qk_norm_rope_(out, *args) is None
-    fused.qk_norm_rope_reference(ref, *args)
-    v_start = (num_heads + num_kv_heads) * head_dim
-    assert torch.equal(out[:, v_start:], qkv[:, v_start:])  # v untouched
-    if norm:
-        assert_heads_match(out[:, :v_start], ref[:, :v_start], head_dim)
-    else:
-        assert_matches(out[:, :v_start], ref[:, :v_start], exact=True)  # rotary alone: the same fp32 products
+    case = qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed=1)
+    assert check_qk_norm_rope(fused, case, num_heads, num_kv_heads, head_dim, EPS) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,11 +10,16 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
-from fused_checks import NORM_ULP, assert_heads_match, assert_matches, random_rows  # noqa: E402
+from fused_checks import (  # noqa: E402
+    NORM_ULP,
+    assert_matches,
+    check_qk_norm_rope,
+    qkv_case,
+    random_rows,
+)
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from torpor.engine.models.layers import fused  # noqa: E402
-from torpor.engine.models.layers.rotary import RotaryEmbedding  # noqa: E402
 
 if not fused._load_triton():
     pytest.skip("triton cannot be imported", allow_module_level=True)
@@ -55,16 +60,6 @@ def test_rms_norm(dtype, num_rows, hidden):
     assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
 
 
-def qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed):
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(num_tokens, width, generator=g, device=DEVICE).to(dtype)
-    rotary = RotaryEmbedding(head_dim, max_positions=32768, theta=1e6, scaling=None).to(DEVICE)
-    cos_sin = rotary(torch.randint(0, 32768, (num_tokens,), generator=g, device=DEVICE))
-    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g, device=DEVICE)).to(dtype) for _ in range(2)]
-    return qkv, cos_sin, *(weights if norm else [None, None])
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 256])
 @pytest.mark.parametrize(
@@ -78,17 +73,10 @@ def qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed):
     ],
 )
 def test_qk_norm_rope(dtype, num_tokens, num_heads, num_kv_heads, head_dim, norm):
-    qkv, cos_sin, q_weight, k_weight = qkv_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed=1)
-    out, ref = qkv.clone(), qkv.clone()
-    args = (cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight, EPS)
-    fused.qk_norm_rope_(out, *args)
-    fused.qk_norm_rope_reference(ref, *args)
-    v_start = (num_heads + num_kv_heads) * head_dim
-    assert torch.equal(out[:, v_start:], qkv[:, v_start:])  # v untouched
-    if norm:
-        assert_heads_match(out[:, :v_start], ref[:, :v_start], head_dim)
-    else:
-        assert_matches(out[:, :v_start], ref[:, :v_start], exact=True)
+    case = qkv_case(
+        num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, seed=1, device=DEVICE, max_positions=32768
+    )
+    check_qk_norm_rope(fused, case, num_heads, num_kv_heads, head_dim, EPS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,7 +96,9 @@ def test_fused_available():
 
 def test_cuda_graph_replay():
     x, residual, weight = random_rows(1, 4096, torch.bfloat16, seed=0, device=DEVICE)
-    qkv, cos_sin, q_weight, k_weight = qkv_case(1, 32, 8, 128, torch.bfloat16, norm=True, seed=0)
+    qkv, cos_sin, q_weight, k_weight = qkv_case(
+        1, 32, 8, 128, torch.bfloat16, norm=True, seed=0, device=DEVICE, max_positions=32768
+    )
     gate_up = torch.randn(1, 2 * 12288, device=DEVICE).bfloat16()
     qkv_in = qkv.clone()
 
