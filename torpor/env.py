@@ -16,6 +16,13 @@ def _int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name) or choices[0]
+    if raw not in choices:
+        raise ValueError(f"environment variable {name} must be one of {', '.join(choices)}, got {raw!r}")
+    return raw
+
+
 @dataclass(frozen=True)
 class Env:
     # torpor.memory: a woken segment is mapped in pieces of this many MiB so its refill starts
@@ -28,6 +35,9 @@ class Env:
     # inference endpoints (open when unset); the --admin-token / --api-key options win.
     admin_token: str | None
     api_key: str | None
+    # The model's GEMMs on CUDA: "cublaslt" (default; torpor/engine/cublaslt.py says why) or "torch"
+    # (F.linear, PyTorch's cuBLAS handle: +66 MiB of device memory per thread that stays while asleep).
+    gemm: str
 
     @classmethod
     def read(cls) -> Env:
@@ -36,4 +46,5 @@ class Env:
             cache_dir=os.environ.get("TORPOR_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torpor"),
             admin_token=os.environ.get("TORPOR_ADMIN_TOKEN") or None,
             api_key=os.environ.get("TORPOR_API_KEY") or None,
+            gemm=_choice("TORPOR_GEMM", ("cublaslt", "torch")),
         )

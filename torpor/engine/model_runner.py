@@ -4,7 +4,7 @@ Every kernel runs on the engine's own stream (engine_stream.py). Start-up happen
 inside its memory tag (`memory.tag(...)`, or no scope without a MemoryManager), so every persistent
 buffer lands where sleep mode expects it:
 
-    workspace    GPU: the stream's cuBLAS / cuBLASLt workspaces (made first, before any GEMM)
+    workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model + load_weights (parameters and the RoPE table)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state, and nested in it:
@@ -60,7 +60,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.engine_stream = EngineStream(self.device)
-        # The stream and the workspaces are given up when the runner goes (see EngineStream.close).
+        # The stream and its GEMM workspace are given up when the runner goes (see EngineStream.close).
         self._finalizer = weakref.finalize(self, self.engine_stream.close)
         self._finalizer.atexit = False  # no CUDA calls while the interpreter shuts down
         with self.engine_stream.scope():
@@ -74,7 +74,9 @@ class ModelRunner:
             self.backend = TritonAttentionBackend()
         else:
             self.backend = TorchAttentionBackend()
-        self._ensure_blas_workspaces()  # before any other GEMM on the stream
+        if on_gpu:
+            with self._tag("workspace"):
+                self.engine_stream.make_gemm_workspace()
         with self._tag("weights"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
             load_weights(self.model, config.model)
@@ -88,18 +90,9 @@ class ModelRunner:
         if on_gpu:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
 
-    def _ensure_blas_workspaces(self) -> None:
-        """This thread's cuBLAS workspaces on the engine's stream, in the `workspace` tag. Start-up makes
-        them for its thread; a thread that runs steps later (the server's engine thread) has its own
-        cuBLAS handle and gets them here, before its first GEMM."""
-        if not self.engine_stream.has_blas_workspaces():
-            with self._tag("workspace"):
-                self.engine_stream.make_blas_workspaces(self.dtype)
-
     def close(self) -> None:
-        """Free the graphs, then give up the engine's stream (kept for the next engine) and, if no other
-        engine runs on this device, PyTorch's cuBLAS workspaces (also done when the runner is collected).
-        The runner cannot run afterwards."""
+        """Free the graphs and the GEMM workspace, then give up the engine's stream (kept for the next
+        engine; also done when the runner is collected). The runner cannot run afterwards."""
         self.graphs = None
         self._finalizer()
 
@@ -172,14 +165,12 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         """Run one scheduled batch and sample the next token of each sequence. A prefill also fills
         `seq.prompt_logprobs` of the sequences that asked for them (once, at their first prefill)."""
-        self._ensure_blas_workspaces()
         with self.engine_stream.scope():
             return self.sampler(self._compute_logits(seqs, is_prefill), seqs)
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The batch's forward pass up to the logits [num_seqs, vocab_size] (what tensor-parallel
         workers run; call under inference mode)."""
-        self._ensure_blas_workspaces()
         with self.engine_stream.scope():
             return self._compute_logits(seqs, is_prefill)
 

@@ -5,10 +5,10 @@ the fused `qkv_proj` and `gate_up_proj` (see `packed_modules_mapping`)."""
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torpor.engine.attention.metadata import AttentionBackend, AttentionMetadata
+from torpor.engine.gemm import linear
 from torpor.engine.models.config import ModelConfig
 from torpor.engine.models.layers import fused
 from torpor.engine.models.layers.activation import SiluAndMul
@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return gather_logits(F.linear(hidden, weight)).float()  # vocab-sharded under tensor parallelism
+        return gather_logits(linear(hidden, weight)).float()  # vocab-sharded under tensor parallelism
 
     def reset_buffers(self) -> None:
         """Recompute the buffers that checkpoints do not hold (the RoPE table), in place."""

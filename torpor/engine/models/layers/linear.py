@@ -9,10 +9,10 @@ input columns; the partial outputs are summed over the ranks."""
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torpor.engine.distributed import all_reduce, shard_size, tp_rank, tp_size
+from torpor.engine.gemm import linear
 from torpor.engine.models.layers.loading import copy_weight, default_weight_loader
 
 
@@ -47,7 +47,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -64,8 +64,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight))  # [num_tokens, output_size]
+            return linear(x, self.weight, self.bias)
+        out = all_reduce(linear(x, self.weight))  # [num_tokens, output_size]
         return out if self.bias is None else out + self.bias
 
 
