@@ -218,6 +218,45 @@ def cublas_config() -> None:
     meter("after the GEMMs (tensors stay)")
 
 
+def phases(model: str) -> None:
+    """Device memory outside every allocator (context, libraries, kernel code) after each phase of an
+    engine's life, to find which phase loads what stays while it sleeps."""
+    import os
+
+    from torpor.engine import LLM, SamplingParams
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.memory._record_memory_history(max_entries=200000)  # stacks of what lands in the default pool
+    bare = used()
+    print(f"part phases ({model}), TORPOR_GEMM={os.environ.get('TORPOR_GEMM', '(unset)')}: bare context "
+          f"{bare / MiB:.0f} MiB; outside allocators after each phase (MiB over bare):")
+    llm = LLM(model, device="cuda", max_model_len=512, max_num_seqs=16)
+
+    def report(what: str) -> None:
+        audit = llm.memory.audit()
+        print(f"  {what:<52} outside {((audit.other_bytes or 0) - bare) / MiB:+7.1f}  "
+              f"default pool {audit.untagged_bytes / MiB:6.1f}  device used - bare {(used() - bare) / MiB:+8.1f}",
+              flush=True)
+
+    report("start-up (load, profile, KV cache, graphs)")
+    prefix = list(range(3, 40))
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([[*prefix, 7, 8], [5] * 3], plain)
+    report("greedy prefill + decode")
+    llm.generate([[*prefix, 7, 9]], SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=8))
+    report("seeded sampling")
+    llm.generate([[4] * 9], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1))
+    report("logprobs + prompt logprobs")
+    llm.generate([[*prefix, 11, 12]], plain)
+    report("prefill over a cached prefix (masked attention)")
+    llm.sleep(1)
+    report("asleep, level 1")
+    llm.wake_up()
+    llm.sleep(2)
+    report("asleep, level 2")
+    live_untagged_blocks(llm)
+
+
 def host_memory(gib: float = 8.0) -> None:
     """Device memory the driver keeps for pinned host memory, three ways: cuMemHostAlloc, registered
     anonymous memory, and host-located VMM allocations (cuMemCreate on the host, mapped for the device
@@ -302,7 +341,7 @@ def live_untagged_blocks(llm, top: int = 12) -> None:
         for block in seg["blocks"]:
             if block["state"] == "active_allocated":
                 frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in block.get("frames", [])
-                          if "torpor" in f["filename"] or "torch/nn" in f["filename"]][:4]
+                          if "torpor" in f["filename"] or "torch/" in f["filename"]][:6]
                 blocks.append((block["size"], seg["total_size"], frames))
                 holding[seg["address"]] = seg["total_size"]
     print(f"  live blocks outside tags: {len(blocks)}, {sum(b[0] for b in blocks) / MiB:.1f} MiB "
@@ -315,7 +354,7 @@ def live_untagged_blocks(llm, top: int = 12) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="tiny")
-    parts = ("features", "engine", "pinning", "cublas", "host-memory", "cublas-config")
+    parts = ("features", "engine", "phases", "pinning", "cublas", "host-memory", "cublas-config")
     parser.add_argument("--part", choices=parts, required=True, help="run each in its own process")
     parser.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
                         help="torch.backends.cuda.preferred_blas_library for the cublas-config part")
@@ -329,6 +368,8 @@ def main() -> int:
         features()
     elif args.part == "pinning":
         pinning()
+    elif args.part == "phases":
+        phases(resolve_model(args.model, "cuda"))
     elif args.part == "host-memory":
         host_memory()
     elif args.part == "cublas-config":

@@ -73,11 +73,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cach
     """q [q_len, num_heads, head_dim] attends to k/v [num_cached + q_len, num_kv_heads, head_dim];
     query i sits at position num_cached + i and sees keys 0..num_cached + i (bottom-right causal)."""
     groups = q.shape[1] // k.shape[1]
-    q, k, v = (t.transpose(0, 1) for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    # [1, heads, len, head_dim]: PyTorch's fused kernels (flash, memory-efficient) take 4-D inputs only; 3-D
+    # ones fall back to the math path, whose GEMMs would create PyTorch's cuBLAS handle on CUDA.
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
     if num_cached == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        q_pos = torch.arange(q.shape[1], device=q.device)[:, None] + num_cached
-        mask = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
+        q_pos = torch.arange(q.shape[2], device=q.device)[:, None] + num_cached
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)  # [q_len, num_heads, head_dim]
+    return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
