@@ -257,6 +257,53 @@ def phases(model: str) -> None:
     live_untagged_blocks(llm)
 
 
+def throughput(model: str) -> None:
+    """`bench decode`'s 256-request workload (qwen3-0.6b), timed by step kind (prefill / decode), with the
+    cuBLASLt plans made and the seconds spent making them: to compare TORPOR_GEMM settings."""
+    import argparse
+    import os
+    import time
+
+    from torpor.cli.bench_decode import throughput_workload
+    from torpor.engine import LLM, SamplingParams, cublaslt
+    from torpor.engine.models import ModelConfig
+
+    args = argparse.Namespace(seed=0, prompt_lens="32,512", output_lens="32,256", num_requests=256)
+    prompts, output_lens = throughput_workload(args, ModelConfig.from_pretrained(model).vocab_size)
+    llm = LLM(model, device="cuda", max_model_len=max(map(len, prompts)) + max(output_lens), max_num_seqs=256,
+              gpu_memory_utilization=0.85)
+    runner = llm.engine.model_runner
+    spent = {"prefill": [0.0, 0], "decode": [0.0, 0], "plans": [0.0, 0]}
+    run, make_plan = runner.run, cublaslt.CublasLt._make_plan
+
+    def timed_run(seqs, is_prefill):
+        start = time.perf_counter()
+        out = run(seqs, is_prefill)
+        torch.cuda.synchronize()
+        entry = spent["prefill" if is_prefill else "decode"]
+        entry[0] += time.perf_counter() - start
+        entry[1] += 1
+        return out
+
+    def timed_plan(self, key):
+        start = time.perf_counter()
+        plan = make_plan(self, key)
+        spent["plans"][0] += time.perf_counter() - start
+        spent["plans"][1] += 1
+        return plan
+
+    runner.run, cublaslt.CublasLt._make_plan = timed_run, timed_plan
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    for attempt in (1, 2):
+        for entry in spent.values():
+            entry[:] = [0.0, 0]
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        total = time.perf_counter() - start
+        print(f"  TORPOR_GEMM={os.environ.get('TORPOR_GEMM', '(unset)')} run {attempt}: {total:.2f} s; " + "; ".join(
+            f"{name} {sec:.2f} s / {num}" for name, (sec, num) in spent.items()), flush=True)
+
+
 def host_memory(gib: float = 8.0) -> None:
     """Device memory the driver keeps for pinned host memory, three ways: cuMemHostAlloc, registered
     anonymous memory, and host-located VMM allocations (cuMemCreate on the host, mapped for the device
@@ -354,7 +401,7 @@ def live_untagged_blocks(llm, top: int = 12) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="tiny")
-    parts = ("features", "engine", "phases", "pinning", "cublas", "host-memory", "cublas-config")
+    parts = ("features", "engine", "phases", "throughput", "pinning", "cublas", "host-memory", "cublas-config")
     parser.add_argument("--part", choices=parts, required=True, help="run each in its own process")
     parser.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
                         help="torch.backends.cuda.preferred_blas_library for the cublas-config part")
@@ -368,6 +415,8 @@ def main() -> int:
         features()
     elif args.part == "pinning":
         pinning()
+    elif args.part == "throughput":
+        throughput(resolve_model(args.model, "cuda"))
     elif args.part == "phases":
         phases(resolve_model(args.model, "cuda"))
     elif args.part == "host-memory":
