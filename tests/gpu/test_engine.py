@@ -124,7 +124,8 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(checkpoints):
     # 2% of the device beyond what is in use: the KV cache is budget-limited. Start-up takes a fixed part
     # of it (the profiled step's peak, the GEMM workspace, kernel code; ~0.8 GB on an H200).
     budget = utilization(0.02)
-    llm = LLM(path, device="cuda", max_model_len=4096, max_num_seqs=1024, enforce_eager=True,
+    # Every sequence at max_model_len would need 8 GiB of this model's KV cache: more than the budget.
+    llm = LLM(path, device="cuda", max_model_len=4096, max_num_seqs=4096, enforce_eager=True,
               gpu_memory_utilization=budget)
     config, kv_bytes = llm.config, llm.engine.model_runner.kv_cache.nbytes
     assert config.num_kv_blocks < config.max_num_seqs * config.max_num_blocks_per_seq
