@@ -8,6 +8,7 @@ with the engine at the same address (captured graphs hold it)."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torpor.env import Env
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
-_BACKENDS: dict[int, object] = {}  # device index -> CublasLt
+_BACKENDS: dict[int, object] = {}  # device index -> CublasLt, or None where cuBLASLt cannot be used
 _WORKSPACES: dict[int, torch.Tensor] = {}  # CUDA stream handle -> workspace
 _LOCK = threading.Lock()
 _USE_TORCH: list[bool] = []  # TORPOR_GEMM, read once
@@ -39,20 +40,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not x.is_cuda or x.dtype not in _SUPPORTED or weight.dtype != x.dtype or _use_torch() or (
             bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
+    backend = _backend(x.device)
+    if backend is None:
+        return F.linear(x, weight, bias)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    return _backend(x.device).linear(x, weight, bias, stream, _WORKSPACES.get(stream))
+    return backend.linear(x, weight, bias, stream, _WORKSPACES.get(stream))
 
 
 def _backend(device: torch.device):
-    backend = _BACKENDS.get(device.index)
-    if backend is None:
-        from torpor.engine.cublaslt import CublasLt
+    if device.index in _BACKENDS:
+        return _BACKENDS[device.index]
+    from torpor.engine.cublaslt import CublasLt, CublasLtError
 
-        with _LOCK:
-            backend = _BACKENDS.get(device.index)
-            if backend is None:
-                backend = _BACKENDS[device.index] = CublasLt(device)
-    return backend
+    with _LOCK:
+        if device.index not in _BACKENDS:
+            try:
+                _BACKENDS[device.index] = CublasLt(device)
+            except CublasLtError as exc:  # e.g. a build of torch without cuBLASLt: right answers, more memory
+                warnings.warn(f"torpor: GEMMs fall back to F.linear on {device} ({exc}); PyTorch's cuBLAS handle "
+                              "then keeps ~66 MiB of device memory while the engine sleeps", stacklevel=3)
+                _BACKENDS[device.index] = None
+    return _BACKENDS[device.index]
 
 
 def _use_torch() -> bool:
