@@ -180,7 +180,7 @@ def report(r: dict) -> None:
     console.print(table)
     f = r["level1"]
     console.print(f"asleep at level 1: {f['asleep_tagged_mib']:.0f} MiB still mapped in tags, "
-                  f"{f['asleep_untagged_pool_mib']:.0f} MiB in PyTorch's default pool (e.g. cuBLAS workspaces), "
+                  f"{f['asleep_untagged_pool_mib']:.0f} MiB in PyTorch's default pool (graph RNG state, untagged), "
                   f"{f['asleep_other_mib']:.0f} MiB outside any allocator (context, streams, kernel code)")
     for tag, t in r["level1"]["tags"].items():
         console.print(f"  {tag}: {t['awake_mib']:.1f} MiB resident awake")

@@ -29,7 +29,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None if memory is not None else torch.cuda.graph_pool_handle()
         for batch_size in sorted(batch_sizes, reverse=True):
-            run_decode(model, buffers, batch_size, max_model_len)  # warm-up: Triton compiles, cuBLAS picks
+            run_decode(model, buffers, batch_size, max_model_len)  # warm-up: Triton compiles, GEMM plans made
             graph = torch.cuda.CUDAGraph()
             scope = memory.graph_pool("cuda_graph") if memory is not None else contextlib.nullcontext(pool)
             with scope as graph_pool:
