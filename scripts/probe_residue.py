@@ -1,10 +1,13 @@
-"""Where the device memory that stays while the engine sleeps comes from (GPU only).
+"""Where the device memory that stays while an engine sleeps comes from, in a bare process (GPU only).
+Each part in its own process:
 
-Part 1 adds one CUDA feature at a time to a bare context and prints what each costs (mem_get_info).
-Part 2 starts the engine (tiny model, graphs), sleeps it at level 1 and tries, one by one, the
-releases a sleeping engine could make: cuBLAS workspaces, the default pool, the stack reservation.
+    python scripts/probe_residue.py --part features|pinning|cublas|cublas-config|host-memory
 
-    python scripts/probe_residue.py --part features|engine [--model PATH_OR_PRESET]
+features: one CUDA feature at a time on a bare context and what each costs (mem_get_info);
+pinning: seconds to pin host memory, several ways; cublas: cuBLAS / cuBLASLt handles created directly;
+cublas-config: a handle's cost and GEMM speed under CUBLAS_WORKSPACE_CONFIG / --blas;
+host-memory: the device memory the driver keeps for pinned host memory, three ways.
+The engine-side probes are in probe_engine.py.
 """
 
 from __future__ import annotations
@@ -77,34 +80,6 @@ def features() -> None:
     torch.cuda.empty_cache()
     meter("clear cuBLAS workspaces + empty_cache")
     print(f"  stack limit {stack_limit()} B/thread")
-
-
-def engine(model: str) -> None:
-    from torpor.engine import LLM, SamplingParams
-
-    print(f"part 2: the engine ({model}), asleep at level 1")
-    torch.zeros(1, device="cuda")
-    torch.cuda.memory._record_memory_history(max_entries=200000)
-    before = used()
-    llm = LLM(model, device="cuda", max_num_seqs=64, max_model_len=2048)
-    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
-    print(f"  awake: +{(used() - before) / MiB:.0f} MiB over the process before start-up; "
-          f"stack limit {stack_limit()} B/thread")
-    llm.sleep(1)
-    audit = llm.memory.audit()
-    print(f"  asleep: +{(used() - before) / MiB:.0f} MiB; audit: tagged {audit.tagged_bytes / MiB:.1f}, "
-          f"default pool {audit.untagged_bytes / MiB:.1f}, outside allocators {(audit.other_bytes or 0) / MiB:.1f} MiB")
-    live_untagged_blocks(llm)
-    meter = Meter()
-    torch.cuda.empty_cache()
-    meter("empty_cache")
-    torch._C._cuda_clearCublasWorkspaces()
-    torch.cuda.empty_cache()
-    meter("clear cuBLAS workspaces + empty_cache")
-    stack_limit(1024)
-    meter("stack limit back to 1024 B")
-    torch.cuda.synchronize()
-    print(f"  memory_stats: {torch.cuda.memory_stats().get('reserved_bytes.all.current', 0) / MiB:.1f} MiB reserved")
 
 
 def pinning(gib: float = 8.0) -> None:
@@ -218,92 +193,6 @@ def cublas_config() -> None:
     meter("after the GEMMs (tensors stay)")
 
 
-def phases(model: str) -> None:
-    """Device memory outside every allocator (context, libraries, kernel code) after each phase of an
-    engine's life, to find which phase loads what stays while it sleeps."""
-    import os
-
-    from torpor.engine import LLM, SamplingParams
-
-    torch.zeros(1, device="cuda")
-    torch.cuda.memory._record_memory_history(max_entries=200000)  # stacks of what lands in the default pool
-    bare = used()
-    print(f"part phases ({model}), TORPOR_GEMM={os.environ.get('TORPOR_GEMM', '(unset)')}: bare context "
-          f"{bare / MiB:.0f} MiB; outside allocators after each phase (MiB over bare):")
-    llm = LLM(model, device="cuda", max_model_len=512, max_num_seqs=16)
-
-    def report(what: str) -> None:
-        audit = llm.memory.audit()
-        print(f"  {what:<52} outside {((audit.other_bytes or 0) - bare) / MiB:+7.1f}  "
-              f"default pool {audit.untagged_bytes / MiB:6.1f}  device used - bare {(used() - bare) / MiB:+8.1f}",
-              flush=True)
-
-    report("start-up (load, profile, KV cache, graphs)")
-    prefix = list(range(3, 40))
-    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm.generate([[*prefix, 7, 8], [5] * 3], plain)
-    report("greedy prefill + decode")
-    llm.generate([[*prefix, 7, 9]], SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=8))
-    report("seeded sampling")
-    llm.generate([[4] * 9], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1))
-    report("logprobs + prompt logprobs")
-    llm.generate([[*prefix, 11, 12]], plain)
-    report("prefill over a cached prefix (masked attention)")
-    llm.sleep(1)
-    report("asleep, level 1")
-    llm.wake_up()
-    llm.sleep(2)
-    report("asleep, level 2")
-    live_untagged_blocks(llm)
-
-
-def throughput(model: str) -> None:
-    """`bench decode`'s 256-request workload (qwen3-0.6b), timed by step kind (prefill / decode), with the
-    cuBLASLt plans made and the seconds spent making them: to compare TORPOR_GEMM settings."""
-    import argparse
-    import os
-    import time
-
-    from torpor.cli.bench_decode import throughput_workload
-    from torpor.engine import LLM, SamplingParams, cublaslt
-    from torpor.engine.models import ModelConfig
-
-    args = argparse.Namespace(seed=0, prompt_lens="32,512", output_lens="32,256", num_requests=256)
-    prompts, output_lens = throughput_workload(args, ModelConfig.from_pretrained(model).vocab_size)
-    llm = LLM(model, device="cuda", max_model_len=max(map(len, prompts)) + max(output_lens), max_num_seqs=256,
-              gpu_memory_utilization=0.85)
-    runner = llm.engine.model_runner
-    spent = {"prefill": [0.0, 0], "decode": [0.0, 0], "plans": [0.0, 0]}
-    run, make_plan = runner.run, cublaslt.CublasLt._make_plan
-
-    def timed_run(seqs, is_prefill):
-        start = time.perf_counter()
-        out = run(seqs, is_prefill)
-        torch.cuda.synchronize()
-        entry = spent["prefill" if is_prefill else "decode"]
-        entry[0] += time.perf_counter() - start
-        entry[1] += 1
-        return out
-
-    def timed_plan(self, key):
-        start = time.perf_counter()
-        plan = make_plan(self, key)
-        spent["plans"][0] += time.perf_counter() - start
-        spent["plans"][1] += 1
-        return plan
-
-    runner.run, cublaslt.CublasLt._make_plan = timed_run, timed_plan
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    for attempt in (1, 2):
-        for entry in spent.values():
-            entry[:] = [0.0, 0]
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        total = time.perf_counter() - start
-        print(f"  TORPOR_GEMM={os.environ.get('TORPOR_GEMM', '(unset)')} run {attempt}: {total:.2f} s; " + "; ".join(
-            f"{name} {sec:.2f} s / {num}" for name, (sec, num) in spent.items()), flush=True)
-
-
 def host_memory(gib: float = 8.0) -> None:
     """Device memory the driver keeps for pinned host memory, three ways: cuMemHostAlloc, registered
     anonymous memory, and host-located VMM allocations (cuMemCreate on the host, mapped for the device
@@ -378,30 +267,9 @@ def host_memory(gib: float = 8.0) -> None:
     meter(f"unmap + release ({time.perf_counter() - start:.2f} s)")
 
 
-def live_untagged_blocks(llm, top: int = 12) -> None:
-    """The live blocks in segments of no tag, largest first, with where they were allocated."""
-    tagged = set(llm.memory._backend.segments)
-    blocks, holding = [], {}
-    for seg in torch.cuda.memory._snapshot()["segments"]:
-        if seg["address"] in tagged:
-            continue
-        for block in seg["blocks"]:
-            if block["state"] == "active_allocated":
-                frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in block.get("frames", [])
-                          if "torpor" in f["filename"] or "torch/" in f["filename"]][:6]
-                blocks.append((block["size"], seg["total_size"], frames))
-                holding[seg["address"]] = seg["total_size"]
-    print(f"  live blocks outside tags: {len(blocks)}, {sum(b[0] for b in blocks) / MiB:.1f} MiB "
-          f"in segments of {sum(holding.values()) / MiB:.1f} MiB")
-    for size, seg_size, frames in sorted(blocks, key=lambda b: -b[0])[:top]:
-        where = " <- ".join(frames) or "(no python frame)"
-        print(f"    {size / MiB:8.2f} MiB (segment {seg_size / MiB:.0f} MiB) {where}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="tiny")
-    parts = ("features", "engine", "phases", "throughput", "pinning", "cublas", "host-memory", "cublas-config")
+    parts = ("features", "pinning", "cublas", "host-memory", "cublas-config")
     parser.add_argument("--part", choices=parts, required=True, help="run each in its own process")
     parser.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
                         help="torch.backends.cuda.preferred_blas_library for the cublas-config part")
@@ -409,16 +277,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a GPU", file=sys.stderr)
         return 2
-    from torpor.cli.bench_sleep import resolve_model
-
     if args.part == "features":
         features()
     elif args.part == "pinning":
         pinning()
-    elif args.part == "throughput":
-        throughput(resolve_model(args.model, "cuda"))
-    elif args.part == "phases":
-        phases(resolve_model(args.model, "cuda"))
     elif args.part == "host-memory":
         host_memory()
     elif args.part == "cublas-config":
@@ -426,10 +288,8 @@ def main() -> int:
             torch.backends.cuda.preferred_blas_library(args.blas)
         print(f"  preferred BLAS library: {torch.backends.cuda.preferred_blas_library()}")
         cublas_config()
-    elif args.part == "cublas":
-        cublas_handles()
     else:
-        engine(resolve_model(args.model, "cuda"))
+        cublas_handles()
     return 0
 
 
