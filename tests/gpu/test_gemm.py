@@ -60,6 +60,10 @@ def test_views_unaligned_and_batched_inputs(workspace):
     assert relative_error(gemm.linear(x3, w), F.linear(x3, w)) < 2e-2
     assert relative_error(gemm.linear(x.t().contiguous().t(), w), F.linear(x, w)) < 2e-2  # column-major x
     assert gemm.linear(x[:0], w).shape == (0, 384)
+    row = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16).expand(5, 256)  # rows 0 apart: copied first
+    assert relative_error(gemm.linear(row, w), F.linear(row, w)) < 2e-2
+    b = torch.randn(384, 2, device="cuda", dtype=torch.bfloat16)[:, 0]  # a bias with stride 2
+    assert relative_error(gemm.linear(x, w, b), F.linear(x, w, b)) < 2e-2
 
 
 def test_cuda_graph_replay_is_bit_identical(workspace):

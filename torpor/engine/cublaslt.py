@@ -28,7 +28,7 @@ _DATA_TYPES = {torch.float32: _CUDA_R_32F, torch.float16: _CUDA_R_16F, torch.bfl
 _COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
 _OP_N, _OP_T = 0, 1
 # cublasLtMatmulDescAttributes_t
-_DESC_SCALE_TYPE, _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 1, 3, 4, 7, 8
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES, _PREF_MIN_ALIGNMENT_A, _PREF_MIN_ALIGNMENT_B, _PREF_MIN_ALIGNMENT_D = 1, 5, 6, 8
@@ -113,10 +113,11 @@ class CublasLt:
         kernels (None: only algorithms that need none)."""
         n, k = weight.shape
         x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        weight = weight if weight.is_contiguous() else weight.contiguous()
         m = x2.shape[0]
+        if x2.stride(-1) != 1 or (m > 1 and x2.stride(0) < k):  # rows must be dense and apart (a valid ld)
+            x2 = x2.contiguous()
+        weight = weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if m > 0:
             ld_x = k if m == 1 else x2.stride(0)
