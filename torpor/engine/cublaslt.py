@@ -17,6 +17,7 @@ CUDA graphs capture like any kernel launch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections import OrderedDict
 from typing import NamedTuple
@@ -66,6 +67,7 @@ class _Plan(NamedTuple):
     algo: _HeuristicResult
 
 
+@functools.cache
 def _library() -> ctypes.CDLL:
     """libcublasLt as PyTorch loaded it (the same copy its own GEMMs use)."""
     torch.cuda.init()
@@ -91,14 +93,8 @@ def _alignment(address: int) -> int:
 class CublasLt:
     """cuBLASLt GEMMs on one device: `linear(x, weight, bias, workspace)` = x W^T (+ b)."""
 
-    _lib: ctypes.CDLL | None = None
-    _lib_lock = threading.Lock()
-
     def __init__(self, device: torch.device) -> None:
-        with CublasLt._lib_lock:
-            if CublasLt._lib is None:
-                CublasLt._lib = _library()
-        self.lib = CublasLt._lib
+        self.lib = _library()
         self.device = device
         self.handle = ctypes.c_void_p()
         with torch.cuda.device(device):

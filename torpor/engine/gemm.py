@@ -7,6 +7,7 @@ with the engine at the same address (captured graphs hold it)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -19,7 +20,6 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _BACKENDS: dict[int, object] = {}  # device index -> CublasLt, or None where cuBLASLt cannot be used
 _WORKSPACES: dict[int, torch.Tensor] = {}  # CUDA stream handle -> workspace
 _LOCK = threading.Lock()
-_USE_TORCH: list[bool] = []  # TORPOR_GEMM, read once
 
 
 def workspace_bytes(device: torch.device) -> int:
@@ -63,7 +63,7 @@ def _backend(device: torch.device):
     return _BACKENDS[device.index]
 
 
+@functools.cache
 def _use_torch() -> bool:
-    if not _USE_TORCH:
-        _USE_TORCH.append(Env.read().gemm == "torch")
-    return _USE_TORCH[0]
+    """TORPOR_GEMM, read once."""
+    return Env.read().gemm == "torch"
