@@ -139,11 +139,6 @@ def test_abort_waiting_and_running():
     assert sched.abort("a") is None and sched.abort("nope") is None
     assert sched.block_manager.num_free_blocks == 64 and sched.is_finished()
     assert sched.postprocess([a], [5]) == [] and a.num_output_tokens == 0   # token of an aborted step
-    c, d = make_seq("c"), make_seq("d")
-    sched.add(c)
-    sched.add(d)
-    sched.schedule()
-    assert sched.abort_all() == [c, d] and sched.is_finished()
     sched.add(make_seq("a"))                  # finished ids can be reused
 
 
@@ -163,8 +158,6 @@ def test_add_rejects_bad_requests():
     sched.add(make_seq("a"))
     with pytest.raises(ValueError, match="already in use"):
         sched.add(make_seq("a"))
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.add(make_seq("big", prompt_len=16))
     with pytest.raises(ValueError, match="num_kv_blocks"):
         Scheduler(EngineConfig(model="m"))
 

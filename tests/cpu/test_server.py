@@ -61,7 +61,7 @@ def server(tiny_model_path):
     """Admin token set, inference open, max_tokens cap 64, body limit 64 KiB."""
     llm = LLM(tiny_model_path, **ENGINE)
     config = ServerConfig(MODEL, admin_token=ADMIN, max_tokens_cap=CAP, max_body_bytes=BODY_LIMIT)
-    with ServerThread(build_app(llm, config)) as url:
+    with ServerThread(build_app(llm.engine, config)) as url:
         yield SimpleNamespace(
             url=url, llm=llm,
             client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60),
@@ -80,7 +80,7 @@ def locked(tiny_model_path, tmp_path_factory):
     config_file.write_text(json.dumps(tokenizer_config))
     (path / "chat_template.jinja").unlink(missing_ok=True)
     llm = LLM(str(path), **ENGINE)
-    with ServerThread(build_app(llm, ServerConfig(MODEL, api_key=API_KEY))) as url:
+    with ServerThread(build_app(llm.engine, ServerConfig(MODEL, api_key=API_KEY))) as url:
         yield SimpleNamespace(url=url, http=httpx.Client(base_url=url, timeout=60))
 
 

@@ -105,6 +105,7 @@ def test_level_zero_pauses_only(llm):
 def test_requests_wait_while_asleep_and_finish_after_full_wake(llm, requests):
     reference = run_round(llm, requests[:4])
     llm.sleep(1)
+    llm.wait_if_asleep = None  # this program wakes the engine from another thread: wait without limit
     results: list = []
     worker = threading.Thread(target=lambda: results.append(run_round(llm, requests[:4])))
     worker.start()
@@ -115,6 +116,7 @@ def test_requests_wait_while_asleep_and_finish_after_full_wake(llm, requests):
     assert worker.is_alive()  # weights only: the KV cache still sleeps
     llm.wake_up(["kv_cache"])
     worker.join(timeout=60)
+    llm.wait_if_asleep = 0.0
     assert not worker.is_alive() and not differences(reference, results[0])
 
 
@@ -125,7 +127,7 @@ def test_running_requests_wait_or_abort(llm):
         ids = [engine.add_request([3, 4, 5, i], params) for i in range(3)]
         engine.step()  # prefill: the requests are running
         engine.step()
-        llm.sleep(1, running=mode)
+        llm.sleep(1, mode=mode)
         finished = {o.request_id: o for o in engine.step()}  # what the sleep finished comes out here
         assert set(finished) == set(ids)
         assert {o.outputs[0].finish_reason for o in finished.values()} == {reason}
@@ -151,8 +153,8 @@ def test_weights_must_be_restored_after_level_two(llm):
 def test_bad_sleep_input(llm):
     with pytest.raises(ValueError, match="sleep level"):
         llm.sleep(3)
-    with pytest.raises(ValueError, match="running"):
-        llm.sleep(1, running="later")
+    with pytest.raises(ValueError, match="mode"):
+        llm.sleep(1, mode="later")
     llm.sleep(1)
     with pytest.raises(ValueError, match="unknown tag"):
         llm.wake_up(["brain"])

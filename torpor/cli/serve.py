@@ -148,7 +148,7 @@ def _run_server(args: argparse.Namespace, llm, config, sock: socket.socket) -> i
     from torpor.server import build_app
 
     name, admin_token, api_key = config.model_name, config.admin_token, config.api_key
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, config), log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(build_app(llm.engine, config), log_level=args.log_level,
                                            access_log=args.access_log, timeout_graceful_shutdown=10))
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -32,14 +33,21 @@ class LLM:
     the device r places after `device`), see docs/tensor-parallel.md; `worker_memory_options` then maps a
     worker rank to its MemoryManager's keyword arguments (rank 0 uses `memory`). Call `close()` to stop
     the workers (interpreter exit does it too).
+
+    `wait_if_asleep`: seconds `generate` waits for another thread to wake the engine when it does not
+    serve (asleep, or weights awaiting reload) before raising RuntimeError naming what to call; the
+    default 0 raises at once, since in a single-threaded program nothing else can wake it. None waits
+    without limit.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,
-                 worker_memory_options: dict[int, dict] | None = None, **engine_options) -> None:
+                 worker_memory_options: dict[int, dict] | None = None, wait_if_asleep: float | None = 0.0,
+                 **engine_options) -> None:
         from torpor.engine.checkpoint import default_model_path
 
+        self.wait_if_asleep = _check_wait(wait_if_asleep)
         path = str(model if model is not None else default_model_path())
         model_config = ModelConfig.from_pretrained(path)
         unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
@@ -72,7 +80,8 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete every prompt (text, or token ids); outputs in input order. Raises ValueError before
-        queueing anything if any prompt or parameter is invalid."""
+        queueing anything if any prompt or parameter is invalid, RuntimeError if the engine does not
+        serve within `wait_if_asleep` seconds (see the class)."""
         prompt_list = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompt_list))
         with self._lock:
@@ -98,26 +107,36 @@ class LLM:
         return [outputs[seq.request_id] for seq in seqs]
 
     def _step_or_wait(self) -> None:
-        """One engine step, or (asleep) wait until another thread wakes the engine. Called locked."""
-        finished = self.engine.step()
+        """One engine step, or (not serving) wait up to `wait_if_asleep` for another thread to make the
+        engine serve. Called locked."""
+        finished = [o for o in self.engine.step() if o.finished]
         self._finished.update((o.request_id, o) for o in finished)
         if finished:
             self._lock.notify_all()
-        if self.engine.scheduler.paused and not finished:
-            mode = self.engine.sleep_mode
-            if mode is not None and mode.level is None and mode.weights_discarded:
-                raise RuntimeError("the weights were discarded by sleep(level=2) and every tag is awake: "
-                                   "call reload_weights() or update_weights() before generating")
-            self._lock.wait()
+            return
+        deadline = None if self.wait_if_asleep is None else time.monotonic() + self.wait_if_asleep
+        while not self.engine.serving:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                waited = f" (waited {self.wait_if_asleep:g} s)" if self.wait_if_asleep else ""
+                raise RuntimeError(f"generate: {self.engine.state().not_serving_reason()}{waited}")
+            self._lock.wait(left)
+
+    @property
+    def state(self):
+        """The engine's `EngineState`: serving, sleep level, weights validity, per-tag state."""
+        with self._lock:
+            return self.engine.state()
 
     # ---- sleep mode --------------------------------------------------------------------------
-    def sleep(self, level: int = 1, running: str = "wait"):
+    def sleep(self, level: int = 1, mode: str = "wait"):
         """Level 0: pause scheduling. Level 1: weights and runtime state to host memory, KV cache
         and scratch discarded. Level 2: as 1, but the weights are discarded too (then
-        `reload_weights` or `update_weights`). `running`: "wait" lets running requests finish first,
-        "abort" ends them. Returns the memory report (None for a no-op or level 0)."""
+        `reload_weights` or `update_weights`). `mode`: "wait" lets running requests finish first,
+        "abort" ends them. Returns the memory report (None for a no-op or level 0). A sleep that
+        fails leaves the engine as it was."""
         with self._lock:
-            report = self.engine.sleep(level, running)
+            report = self.engine.sleep(level, mode)
             self._lock.notify_all()
             return report
 
@@ -150,14 +169,11 @@ class LLM:
         """Per-tag bytes and states, the sleep level, device memory in use (rank 0's device); under
         tensor parallelism also "ranks": each rank's device, its memory in use and its tags."""
         with self._lock:
-            if self.config.tensor_parallel_size == 1:
-                return self.engine.memory_usage()
-            from torpor.engine.parallel_runner import usage_with_ranks
-
-            return usage_with_ranks(self.engine)
+            return self.engine.memory_usage()
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (a no-op on one device)."""
+        """Stop the tensor-parallel worker processes and free rank 0's CUDA graphs and GEMM workspace;
+        the LLM cannot generate afterwards."""
         with self._lock:
             self.engine.close()
 
@@ -183,6 +199,14 @@ def _params_list(params, num_prompts: int) -> list[SamplingParams | None]:
             raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")
         return list(params)
     raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+
+def _check_wait(seconds: float | None) -> float | None:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
+        raise ValueError(f"wait_if_asleep must be a number of seconds >= 0 or None (no limit), got {seconds!r}")
+    return float(seconds)
 
 
 def _resolve_device(device: str | torch.device) -> str:

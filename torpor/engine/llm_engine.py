@@ -1,10 +1,16 @@
-"""The engine loop: requests in, one scheduled batch per `step`, finished requests out."""
+"""The engine loop: requests in, one scheduled batch per `step`, outputs (with their text) out.
+
+`LLMEngine` is also the one place that holds the engine's state: `state()` (serving, sleep level,
+weights validity, per-tag state) and `memory_usage()` (every tensor-parallel rank). Both front ends,
+`LLM` and the server's `AsyncEngine`, read only these. Output text is built here too, once per request
+(`tokenizer.OutputText`): streamed deltas already respect stop strings.
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -15,12 +21,53 @@ from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import Sequence
 from torpor.engine.sleep_mode import SleepMode, WakeResult
-from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from torpor.engine.tokenizer import OutputText, Tokenizer
 from torpor.memory import Report
+
+SLEEP_MODES = ("wait", "abort")
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the engine does now: the one state both front ends show."""
+
+    serving: bool                 # requests run: awake (no sleep level) and the weights valid
+    sleep_level: int | None       # None = awake; 0 = paused; 1, 2 = memory released
+    weights_valid: bool           # False from a level-2 sleep until reload_weights / update_weights
+    tags: dict[str, str]          # memory tag -> "awake" | "asleep" (empty without sleep mode)
+    num_running: int = 0          # requests in the running batch
+    num_waiting: int = 0          # requests queued (new or preempted)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
+
+    def not_serving_reason(self) -> str | None:
+        """What stops requests from running and what to call about it; None while serving."""
+        if self.serving:
+            return None
+        asleep = [tag for tag, state in self.tags.items() if state == "asleep"]
+        reload = "reload_weights() or update_weights()"
+        if self.sleep_level is None:
+            return f"the weights were discarded by sleep(level=2) and every tag is awake: call {reload}"
+        if self.sleep_level == 0:
+            return "the engine is paused (sleep level 0): call wake_up()"
+        wake = f"the engine sleeps (level {self.sleep_level}; asleep: {', '.join(asleep)}): call wake_up()"
+        return wake if self.weights_valid else f"{wake}, then {reload}"
+
+
+@dataclass
+class _Request:
+    """The engine's side of one request: its sequence, its text, and how much of it was handed out."""
+
+    seq: Sequence
+    text: OutputText
+    stream: bool                  # hand out an output every step the request gains tokens
+    num_tokens_out: int = 0       # output tokens already handed out
 
 
 class LLMEngine:
-    """Tokenizer, scheduler and model runner; detokenizes outputs and applies stop strings."""
+    """Tokenizer, scheduler and model runner; detokenizes outputs, applies stop strings, sleeps and wakes."""
 
     def __init__(self, config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None) -> None:
         """`worker_memory_options` (tensor parallel only): rank -> MemoryManager kwargs of that worker."""
@@ -34,107 +81,195 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, memory)
         self.memory = memory
         self.sleep_mode = SleepMode(memory) if memory is not None else None
-        self._pending: list[RequestOutput] = []  # finished outside `step` (drained or aborted by a sleep)
+        self._pending: list[RequestOutput] = []  # produced outside `step` (drained or aborted by a sleep)
         self.config = self.model_runner.config  # with the profiled number of KV blocks
         model_config = self.model_runner.model_config
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids)
-        self._texts: dict[str, _Text] = {}
+        self._requests: dict[str, _Request] = {}
         self._request_ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None) -> Sequence:
-        """A validated request (not queued yet): ValueError names what is wrong with it."""
+        """A validated request (not queued yet): the one place a request is checked; ValueError names
+        what is wrong with it (the server answers 400 with its text)."""
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        token_ids, text = self._prompt_tokens(prompt)
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than max_model_len "
+                             f"({max_len}) to leave room for an output token")
+        if len(token_ids) + params.max_tokens > max_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
+                             f"together {len(token_ids) + params.max_tokens}, beyond max_model_len ({max_len}); "
+                             f"shorten the prompt or ask for at most {max_len - len(token_ids)} tokens")
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        return Sequence(request_id, token_ids, params, text)
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is an empty string")
             token_ids, text = self.tokenizer.encode(prompt), prompt
-        else:
+        elif isinstance(prompt, list | tuple):
             token_ids, text = list(prompt), None
             bad = [t for t in token_ids
                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}) (the vocabulary), "
                                  f"got {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt has no tokens")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than max_model_len "
-                             f"({self.config.max_model_len}) to leave room for an output token")
-        request_id = str(next(self._request_ids)) if request_id is None else request_id
-        return Sequence(request_id, token_ids, params, text)
+        return token_ids, text
 
-    def add_sequence(self, seq: Sequence) -> str:
+    def add_sequence(self, seq: Sequence, stream: bool = False) -> str:
+        """Queue a sequence from `make_sequence`. With `stream`, `step` hands out an output (text and token
+        deltas) every step the request gains tokens; otherwise only once it is finished."""
         self.scheduler.add(seq)
-        self._texts[seq.request_id] = _Text(self.tokenizer, seq.sampling_params.stop)
+        params = seq.sampling_params
+        self._requests[seq.request_id] = _Request(seq, OutputText(self.tokenizer, params.stop, stream), stream)
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = False) -> str:
         """Queue a request (text or token ids); returns its id."""
-        return self.add_sequence(self.make_sequence(prompt, params, request_id))
+        return self.add_sequence(self.make_sequence(prompt, params, request_id), stream)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a waiting or running request; returns its output (finish_reason 'abort')."""
-        seq = self.scheduler.abort(request_id)
-        text = self._texts.pop(request_id, None)
-        if seq is None or text is None:
-            return None
-        return RequestOutput.from_sequence(seq, text.final(seq.output_token_ids))
+        self.scheduler.abort(request_id)
+        request = self._requests.pop(request_id, None)
+        return None if request is None else self._output(request)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
+    def has_work(self) -> bool:
+        """Whether `step` would run something: the engine serves and a request waits or runs."""
+        return self.serving and not self.scheduler.is_finished()
+
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device)."""
-        close = getattr(self.model_runner, "close", None)
-        if close is not None:
-            close()
+        """Free the CUDA graphs and the GEMM workspace and stop the tensor-parallel workers; the engine
+        cannot run afterwards."""
+        self.model_runner.close()
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule a batch, run it, record the tokens; returns the requests finished by this step
-        (and any a sleep finished meanwhile). Runs nothing while the engine sleeps."""
-        finished, self._pending = self._pending, []
+        """Schedule a batch, run it, record the tokens; returns the outputs of this step (finished requests,
+        and streamed ones that gained tokens) and any a sleep produced meanwhile. Runs nothing while the
+        engine does not serve."""
+        outputs, self._pending = self._pending, []
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return finished
+            return outputs
         output = self.model_runner.run(seqs, is_prefill)
         self.scheduler.postprocess(seqs, output.token_ids, output.logprobs)
-        return finished + self._postprocess_text(seqs)
+        return outputs + self._outputs(seqs)
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Detokenize what `seqs` gained, end those that reached a stop string, and snapshot the finished
+        and the streamed ones."""
+        outputs = []
+        for seq in seqs:
+            request = self._requests.get(seq.request_id)
+            if request is None:  # aborted while its step ran
+                continue
+            stop = request.text.update(seq.output_token_ids)
+            if stop is not None:
+                if seq.is_finished:  # ended by this token anyway (eos, length): the stop string names it
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(seq, "stop", stop)
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+                outputs.append(self._output(request))
+            elif request.stream:
+                outputs.append(self._output(request))
+        return outputs
+
+    @staticmethod
+    def _output(request: _Request) -> RequestOutput:
+        seq, text = request.seq, request.text
+        if seq.is_finished:
+            whole = text.final(seq.output_token_ids)
+            delta = text.delta(whole)
+        else:
+            delta = text.delta()
+            whole = text.text[:text.num_emitted]
+        start, request.num_tokens_out = request.num_tokens_out, seq.num_output_tokens
+        return RequestOutput.from_sequence(seq, whole, delta, start)
+
+    # ---- state -------------------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        """Requests run: no sleep level and the weights valid."""
+        mode = self.sleep_mode
+        return mode is None or (mode.level is None and not mode.weights_discarded)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and self.sleep_mode.level is not None
+
+    def state(self) -> EngineState:
+        """Serving, sleep level, weights validity and per-tag state, read together."""
+        mode = self.sleep_mode
+        tags = {} if mode is None else {t: "asleep" if self.memory.is_sleeping(t) else "awake" for t in mode.tags}
+        return EngineState(serving=self.serving, sleep_level=None if mode is None else mode.level,
+                           weights_valid=mode is None or not mode.weights_discarded, tags=tags,
+                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+
+    def memory_usage(self) -> dict:
+        """Per-tag bytes and states, the sleep level, the device memory in use (rank 0's device); under
+        tensor parallelism also "ranks": each rank's device, its memory in use and its tags."""
+        mode = self._sleep_mode()
+        usage = {"level": mode.level, "device_used_bytes": self.memory.device_used_bytes(),
+                 "weights_discarded": mode.weights_discarded,
+                 "tags": {tag: asdict(usage) for tag, usage in self.memory.usage().items()}}
+        rank_usage = getattr(self.model_runner, "rank_usage", None)
+        if rank_usage is not None:
+            usage["ranks"] = rank_usage()
+        return usage
+
+    def _sync_scheduler(self) -> None:
+        """The scheduler runs exactly when the engine serves (the one rule; called after every change)."""
+        self.scheduler.resume()  # also ends a drain
+        if not self.serving:
+            self.scheduler.pause()
 
     # ---- sleep mode (see sleep_mode.py) ------------------------------------------------
-    def sleep(self, level: int = 1, running: str = "wait") -> Report | None:
+    def sleep(self, level: int = 1, mode: str = "wait") -> Report | None:
         """Level 0 pauses scheduling; 1 and 2 also release memory (see sleep_mode.py). Running requests
-        are finished first (`running="wait"`, new ones are not started) or aborted (`"abort"`); their
-        outputs come out of the next `step`. Same or shallower level while asleep: no-op (None)."""
-        mode = self._sleep_mode()
-        if running not in ("wait", "abort"):
-            raise ValueError(f"running must be 'wait' or 'abort', got {running!r}")
-        plan = mode.plan(level)
+        are finished first (`mode="wait"`, new ones are not started) or aborted (`"abort"`); their
+        outputs come out of the next `step`. Same or shallower level while asleep: no-op (None).
+        A sleep that fails leaves the engine as it was before (same level, serving if it served)."""
+        sleep_mode = self._sleep_mode()
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
+        plan = sleep_mode.plan(level)
         if plan is None:
             return None
-        if mode.level is None or mode.level == 0:
-            self._settle_running(running)
         try:
+            if sleep_mode.level in (None, 0):  # requests may be running
+                self._settle_running(mode)
             report = self.memory.sleep(plan) if plan else None
         except BaseException:
-            if mode.level is None:
-                self.scheduler.resume()  # the failed sleep left every tag awake: serve again
+            self._sync_scheduler()  # the level did not change: the scheduler goes back to what it did
             raise
-        self.scheduler.pause()
-        mode.after_sleep(level)
+        sleep_mode.after_sleep(level)
+        self._sync_scheduler()
         if self.model_runner.device.type == "cuda" and plan:
             torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
         return report
 
-    def _settle_running(self, running: str) -> None:
-        if running == "abort":
+    def _settle_running(self, mode: str) -> None:
+        if mode == "abort":
             for seq in list(self.scheduler.running):
                 output = self.abort_request(seq.request_id)
                 if output is not None:
@@ -143,20 +278,22 @@ class LLMEngine:
         self.scheduler.resume()
         self.scheduler.drain()
         while self.scheduler.running:
-            self._pending = self.step()  # step hands back what was pending plus what it finished
+            self._pending = self.step()  # step hands back what was pending plus what it produced
 
     def wake_up(self, tags: list[str] | None = None) -> WakeResult:
         """Wake `tags` (all when None); any wake also restores every tag but weights and kv_cache.
         The engine serves again once every tag is awake and its weights are valid."""
-        mode = self._sleep_mode()
-        targets = mode.wake_targets(tags)
-        report = self.memory.wake(targets)
-        if "kv_cache" in targets:
-            self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
-        return WakeResult(report, tuple(targets), self._resume_if_ready(ends_pause=True))
-
-    def is_sleeping(self) -> bool:
-        return self.sleep_mode is not None and self.sleep_mode.level is not None
+        sleep_mode = self._sleep_mode()
+        targets = sleep_mode.wake_targets(tags)
+        try:
+            report = self.memory.wake(targets)
+            if "kv_cache" in targets:
+                self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
+            if sleep_mode.level is not None and not self.memory.is_sleeping():
+                sleep_mode.level = None  # every tag awake: a wake ends any sleep, level 0 included
+        finally:
+            self._sync_scheduler()
+        return WakeResult(report, tuple(targets), self.serving)
 
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
@@ -173,13 +310,6 @@ class LLMEngine:
         self._weights_restored()
         return count
 
-    def memory_usage(self) -> dict:
-        """Per-tag bytes and states, the sleep level, and the device memory in use."""
-        mode = self._sleep_mode()
-        return {"level": mode.level, "device_used_bytes": self.memory.device_used_bytes(),
-                "weights_discarded": mode.weights_discarded,
-                "tags": {tag: asdict(usage) for tag, usage in self.memory.usage().items()}}
-
     def _sleep_mode(self) -> SleepMode:
         if self.sleep_mode is None:
             raise RuntimeError("sleep mode is off: build the engine with a MemoryManager (enable_sleep_mode)")
@@ -192,68 +322,4 @@ class LLMEngine:
     def _weights_restored(self) -> None:
         if self.sleep_mode is not None:
             self.sleep_mode.weights_discarded = False
-            self._resume_if_ready(ends_pause=False)
-
-    def _resume_if_ready(self, ends_pause: bool) -> bool:
-        """Serve again once every tag is awake and the weights are valid; only a wake ends a level-0
-        pause. Returns whether the engine serves."""
-        mode = self.sleep_mode
-        if mode.level is not None:
-            if (mode.level == 0 and not ends_pause) or self.memory.is_sleeping():
-                return False
-            mode.level = None
-        if mode.weights_discarded:
-            return False
-        self.scheduler.resume()
-        return True
-
-    def _postprocess_text(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        finished = []
-        for seq in seqs:
-            text = self._texts.get(seq.request_id)
-            if text is None:  # aborted while its step ran
-                continue
-            stop = text.update(seq.output_token_ids)
-            if stop is not None:
-                if seq.is_finished:  # ended by this token anyway (eos, length): the stop string names it
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                else:
-                    self.scheduler.finish(seq, "stop", stop)
-            if seq.is_finished:
-                del self._texts[seq.request_id]
-                finished.append(RequestOutput.from_sequence(seq, text.final(seq.output_token_ids)))
-        return finished
-
-
-class _Text:
-    """The output text of one request, grown token by token, cut before the first stop string."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.text = ""
-        self.stopped = False
-
-    def update(self, output_token_ids: list[int]) -> str | None:
-        """Detokenize the tokens not seen yet; returns the stop string found (the text then ends before
-        it), else None. Without stop strings nothing happens here: `final` decodes the whole output."""
-        if not self.stop:
-            return None
-        for token_id in output_token_ids[len(self.detokenizer.token_ids):]:
-            delta = self.detokenizer.step(token_id)
-            if not delta:
-                continue
-            # A stop string may straddle the old text and the delta: search from where it could start.
-            search_from = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
-            self.text += delta
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
-            if hits:
-                index, stop = min(hits)
-                self.text, self.stopped = self.text[:index], True
-                return stop
-        return None
-
-    def final(self, output_token_ids: list[int]) -> str:
-        """The finished text; without a stop string, a full decode (it includes any bytes the incremental
-        detokenizer still held back for an unfinished character)."""
-        return self.text if self.stopped else self.tokenizer.decode(output_token_ids)
+            self._sync_scheduler()

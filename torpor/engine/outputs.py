@@ -24,10 +24,22 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None          # one entry per token of token_ids
     finish_reason: FinishReason | None            # None while the request still runs
     stop_reason: int | str | None = None          # the stop token id or stop string that ended it
+    # Streaming: the text and tokens new since this request's previous output (text that may begin a
+    # stop string is held back until resolved). The deltas of all outputs add up to `text` / `token_ids`.
+    delta_text: str = ""
+    delta_start: int = 0                          # token_ids[delta_start:] are the new tokens
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        return self.token_ids[self.delta_start:]
+
+    @property
+    def delta_logprobs(self) -> list[TokenLogprobs] | None:
+        return None if self.logprobs is None else self.logprobs[self.delta_start:]
 
 
 @dataclass
@@ -42,8 +54,9 @@ class RequestOutput:
     finished: bool
 
     @classmethod
-    def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
-        """Snapshot `seq` with its detokenized output `text` (the engine owns detokenization)."""
+    def from_sequence(cls, seq: Sequence, text: str, delta_text: str = "", delta_start: int = 0) -> RequestOutput:
+        """Snapshot `seq` with its detokenized output `text` and, streaming, what is new since the last
+        snapshot (the engine owns detokenization)."""
         want_logprobs = seq.sampling_params.logprobs is not None
         completion = CompletionOutput(
             index=0,
@@ -52,6 +65,8 @@ class RequestOutput:
             logprobs=list(seq.output_logprobs) if want_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            delta_text=delta_text,
+            delta_start=delta_start,
         )
         return cls(
             request_id=seq.request_id,

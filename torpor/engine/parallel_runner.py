@@ -148,11 +148,3 @@ class ParallelMemory:
             raise errors[first] if first else RankError(0, errors[0])
         return report
 
-
-def usage_with_ranks(engine) -> dict:
-    """`engine.memory_usage()` (rank 0's figures), plus under tensor parallelism "ranks": every rank's
-    `rank_info` (its own device's memory in use, its tags)."""
-    usage = engine.memory_usage()
-    if isinstance(engine.model_runner, ParallelModelRunner):
-        usage["ranks"] = engine.model_runner.rank_usage()
-    return usage

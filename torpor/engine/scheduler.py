@@ -7,8 +7,8 @@ arrived sequences are preempted by recompute: their blocks are freed and they go
 front of the queue, to be prefilled again (prompt + outputs so far) when blocks free up.
 
 Liveness: `EngineConfig` guarantees the KV cache holds max_model_len tokens and a prefill batch
-max_model_len tokens, and `add` rejects prompts that leave no room for one output token, so the
-oldest sequence can always run; nothing livelocks.
+max_model_len tokens, and `LLMEngine.make_sequence` rejects prompts that leave no room for their
+output tokens, so the oldest sequence can always run; nothing livelocks.
 """
 
 from __future__ import annotations
@@ -56,10 +56,6 @@ class Scheduler:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table:
             raise ValueError(f"request {seq.request_id!r} was already scheduled ({seq!r})")
-        if len(seq) >= self.config.max_model_len:
-            raise ValueError(
-                f"request {seq.request_id!r}: the prompt has {len(seq)} tokens; it must be shorter "
-                f"than max_model_len ({self.config.max_model_len}) to leave room for an output token")
         seq.arrival = next(self._arrivals)
         if seq.sampling_seed is None:
             seq.sampling_seed = self._seed_rng.getrandbits(64)
@@ -87,20 +83,9 @@ class Scheduler:
             self.finish(seq, "abort")
         return seq
 
-    def abort_all(self) -> list[Sequence]:
-        """Abort every unfinished request, oldest first."""
-        seqs = sorted(self._requests.values(), key=_arrival)
-        for seq in seqs:
-            self.finish(seq, "abort")
-        return seqs
-
     def is_finished(self) -> bool:
         """True when no request waits or runs."""
         return not self._requests
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
 
     # --- scheduling ----------------------------------------------------------------------
     def pause(self) -> None:

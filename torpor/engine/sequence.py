@@ -20,17 +20,12 @@ class Sequence:
     KV-cache invariant: the first `num_cached_tokens` tokens have their K/V in the blocks of
     `block_table`; the next forward pass computes `token_ids[num_cached_tokens:]` (the whole
     sequence at prefill, the last token at decode). Preemption drops the blocks and resets
-    `num_cached_tokens` to 0, so the next prefill recomputes prompt and outputs.
+    `num_cached_tokens` to 0, so the next prefill recomputes prompt and outputs. The prompt was
+    validated by `LLMEngine.make_sequence`.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, prompt: str | None = None):
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt has no tokens")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            raise ValueError(f"request {request_id!r}: prompt token ids must be ints >= 0")
         self.request_id = request_id
         self.prompt = prompt
         self.sampling_params = sampling_params or SamplingParams()

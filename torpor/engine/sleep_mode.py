@@ -1,4 +1,4 @@
-"""Sleep levels and selective wake of one engine, over its `MemoryManager` (DESIGN.md's tag table).
+"""Sleep levels and selective wake of one engine, over its `MemoryManager`; the tag table:
 
 | tag        | level 1 | level 2 |
 |------------|---------|---------|
@@ -56,7 +56,7 @@ class SleepMode:
     def plan(self, level: int) -> dict[str, str] | None:
         """The memory actions of `sleep(level)` from the current state; None when it is a no-op
         (same or shallower level). Level 1 -> 2 only drops the weights' host copy."""
-        if level not in (0, 1, 2):
+        if isinstance(level, bool) or level not in (0, 1, 2):
             raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
         if self.level is not None and level <= self.level:
             return None
@@ -70,6 +70,8 @@ class SleepMode:
         """The sleeping tags a `wake_up(tags)` restores."""
         if tags is None:
             wanted = set(SLEEP_TAGS)
+        elif not isinstance(tags, list | tuple | set | frozenset) or not all(isinstance(t, str) for t in tags):
+            raise ValueError(f"tags must be a list of tag names (e.g. ['weights']), got {tags!r}")
         else:
             wanted = set(tags)
             unknown = sorted(wanted - set(SLEEP_TAGS))

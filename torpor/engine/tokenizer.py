@@ -101,6 +101,61 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
 
+
+class OutputText:
+    """The output text of one request: detokenized once, here, token by token, and cut before the
+    first stop string. `delta()` hands out the text not handed out yet; while the request runs, the last
+    (longest stop string - 1) characters are held back, since they may begin a stop string.
+
+    Without stop strings and without streaming (`incremental=False`) nothing is decoded until the end:
+    `final` decodes the whole output once."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), incremental: bool = False) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.incremental = incremental or bool(self.stop)
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # detokenized so far (incremental only), cut before a stop string once found
+        self.stop_found: str | None = None
+        self.num_emitted = 0  # characters handed out by `delta`
+
+    def update(self, output_token_ids: list[int]) -> str | None:
+        """Detokenize the tokens not seen yet; returns the stop string found by them (the text then ends
+        before it), else None."""
+        if not self.incremental or self.stop_found is not None:
+            return None
+        for token_id in output_token_ids[len(self.detokenizer.token_ids):]:
+            delta = self.detokenizer.step(token_id)
+            if not delta:
+                continue
+            # A stop string may straddle the old text and the delta: search from where it could start.
+            search_from = max(0, len(self.text) - self.hold_back)
+            self.text += delta
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
+            if hits:
+                index, self.stop_found = min(hits)
+                self.text = self.text[:index]
+                return self.stop_found
+        return None
+
+    def final(self, output_token_ids: list[int]) -> str:
+        """The finished text; without a stop string, a full decode (it includes any bytes the incremental
+        detokenizer still held back for an unfinished character)."""
+        return self.text if self.stop_found is not None else self.tokenizer.decode(output_token_ids)
+
+    def delta(self, final_text: str | None = None) -> str:
+        """Text not handed out yet: what is safe while the request runs, everything left of `final_text`
+        once it is finished (the concatenated deltas then equal the final text)."""
+        if final_text is not None:
+            end, source = len(final_text), final_text
+        else:
+            end, source = len(self.text) - self.hold_back, self.text
+        if end <= self.num_emitted:
+            return ""
+        delta, self.num_emitted = source[self.num_emitted:end], end
+        return delta
+
+
 def _token_content(token: str | dict | None) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 

@@ -55,6 +55,8 @@ class MemoryManager:
         self._sealed: set[str] = set()
         self._late: list[LateAllocation] = []
         hook = _weak_hook(self)  # backends must not keep the manager alive
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"MemoryManager({str(device)!r}): CUDA is not available here; use 'cpu'")
         if device.type == "cuda":
             from torpor.memory.cuda_backend import ALLOCATION_LOCK, CudaBackend
 

@@ -2,7 +2,7 @@
 
     from torpor.engine import LLM
     from torpor.server import ServerConfig, build_app
-    app = build_app(LLM(), ServerConfig(model_name="tiny", admin_token="secret"))   # serve with uvicorn
+    app = build_app(LLM().engine, ServerConfig(model_name="tiny", admin_token="secret"))   # serve with uvicorn
 
 Inference: /v1/completions, /v1/chat/completions (both streaming), /v1/models, /health, /metrics.
 Control (admin bearer token; off without one): POST /sleep?level=N&mode=wait|abort,
@@ -11,8 +11,8 @@ POST /release_memory_occupation, POST /resume_memory_occupation.
 """
 
 from torpor.server.app import ServerState, build_app
-from torpor.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, TokenDelta
+from torpor.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from torpor.server.config import ServerConfig
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServerConfig", "ServerState", "TokenDelta",
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServerConfig", "ServerState",
            "build_app"]

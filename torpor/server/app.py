@@ -1,4 +1,4 @@
-"""`build_app(llm, config)`: the FastAPI application of `torpor serve`."""
+"""`build_app(engine, config)`: the FastAPI application of `torpor serve`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from torpor.engine.llm_engine import LLMEngine
 from torpor.server import control, openai_api
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.config import ServerConfig
@@ -27,10 +28,10 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
 
 
-def build_app(llm, config: ServerConfig) -> FastAPI:
-    """The server of one `LLM` (it takes the engine over). The engine thread starts with the app
-    (ASGI lifespan) and stops with it."""
-    server = ServerState(AsyncEngine(llm), config)
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """The server of one `LLMEngine` (e.g. `LLM(...).engine`; only the server uses it from then on). The
+    engine thread starts with the app (ASGI lifespan) and stops with it."""
+    server = ServerState(AsyncEngine(engine), config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

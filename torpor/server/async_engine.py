@@ -1,10 +1,12 @@
 """`AsyncEngine`: one `LLMEngine` driven by one thread, awaited from asyncio.
 
 The engine thread is the only one that touches the engine. It runs every queued command (add or
-abort a request, sleep, wake, reload, read memory) between steps, and steps while there is work.
-Finished outputs and, for streaming requests, the tokens each step produced go back to the event
-loop with `call_soon_threadsafe`. A step that raises fails the requests it was serving (they get the
-error) and the thread goes on; a sleep or wake resolves only once it is complete.
+abort a request, sleep, wake, reload, read memory) between steps, and steps while there is work;
+otherwise it blocks on its inbox (it never spins). The engine's outputs (finished ones and, for
+streaming requests, each step's text and token deltas, built by the engine) go back to the event loop
+with `call_soon_threadsafe`. The engine's state (`LLMEngine.state()`) is published after every
+command. A step that raises fails the requests it was serving (they get the error) and the thread
+goes on; a sleep or wake resolves only once it is complete.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torpor.engine.outputs import RequestOutput, TokenLogprobs
+from torpor.engine.llm_engine import EngineState, LLMEngine
+from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
-from torpor.engine.sequence import Sequence
 
 logger = logging.getLogger("torpor.server")
 
@@ -34,42 +36,36 @@ class EngineStepError(RuntimeError):
 
 
 @dataclass
-class TokenDelta:
-    """Tokens a streaming request gained since its last delta (logprobs None unless asked for)."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-
-
-@dataclass
 class _Tracked:
-    seq: Sequence
     queue: asyncio.Queue
-    stream: bool
-    num_sent: int = 0  # output tokens already handed out as deltas
 
 
 _Command = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
 
 
 class AsyncEngine:
-    """Serves one `LLM` (whose engine it takes over: do not call the LLM's own methods meanwhile)."""
+    """Serves one `LLMEngine`; once started, only the engine thread touches it."""
 
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self.engine = llm.engine
-        self.config = llm.config
-        self.tokenizer = llm.tokenizer
-        self.vocab_size = self.engine.vocab_size
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.vocab_size
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._serving_event: asyncio.Event | None = None
         self.dead: BaseException | None = None
-        # Written by the engine thread after every command, read by the loop.
-        self.serving = not self.engine.scheduler.paused
-        self.sleeping = self.engine.is_sleeping()
+        self.state: EngineState = engine.state()  # written by the engine thread after every command
+
+    @property
+    def serving(self) -> bool:
+        return self.state.serving
+
+    @property
+    def sleeping(self) -> bool:
+        return self.state.is_sleeping
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -96,8 +92,9 @@ class AsyncEngine:
     # ---- requests --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           stream: bool = False) -> RequestStream:
-        """Queue a request; raises ValueError if the engine rejects it. Iterate the returned stream for
-        `TokenDelta`s as tokens come (only with `stream`) and then the final `RequestOutput`."""
+        """Queue a request; raises ValueError if the engine rejects it. Iterate the returned stream for its
+        `RequestOutput`s: with `stream` one per step that gained tokens (their `delta_*` fields), the last
+        one finished."""
         request_stream = RequestStream(self, request_id)
         try:
             await self.call(self._add, request_id, prompt_token_ids, params, stream, request_stream.queue)
@@ -115,8 +112,8 @@ class AsyncEngine:
             return False
 
     # ---- control (each runs in the engine thread between steps) ------------------------
-    async def sleep(self, level: int = 1, running: str = "wait"):
-        return await self.call(self.engine.sleep, level, running)
+    async def sleep(self, level: int = 1, mode: str = "wait"):
+        return await self.call(self.engine.sleep, level, mode)
 
     async def wake_up(self, tags: list[str] | None = None):
         return await self.call(self.engine.wake_up, tags)
@@ -132,7 +129,7 @@ class AsyncEngine:
 
     async def memory_usage(self) -> dict:
         """The engine's memory usage; under tensor parallelism with every rank's ("ranks")."""
-        return await self.call(self._memory_usage)
+        return await self.call(self.engine.memory_usage)
 
     async def stats(self) -> dict:
         """Request counts and, with sleep mode, `memory_usage()`, read consistently between steps."""
@@ -156,7 +153,7 @@ class AsyncEngine:
             while True:
                 try:
                     while True:  # commands first: they are cheap, and a sleep must not wait behind work
-                        command = self._inbox.get(block=not self._has_work())
+                        command = self._inbox.get(block=not self.engine.has_work())
                         if command is None:
                             self._fail_all(EngineDeadError("the server is shutting down"))
                             self._fail_commands(EngineDeadError("the server is shutting down"))
@@ -172,9 +169,6 @@ class AsyncEngine:
             self._fail_commands(EngineDeadError(f"the engine thread died: {exc!r}"))
             self._post(self._serving_event.set)  # waiters for a wake get the error instead of hanging
 
-    def _has_work(self) -> bool:
-        return not self.engine.scheduler.paused and not self.engine.is_finished()
-
     def _execute(self, command: _Command) -> None:
         fn, args, future = command
         result, error = None, None
@@ -182,7 +176,7 @@ class AsyncEngine:
             result = fn(*args)
         except Exception as exc:
             error = exc
-        if self.engine.scheduler.paused:
+        if not self.engine.serving:
             self._step()  # hands out what a sleep finished (drained or aborted); runs nothing
         self._publish_state()
         if future is not None:
@@ -190,31 +184,25 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            finished = self.engine.step()
+            outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests it was serving")
             self._fail_all(EngineStepError(f"the engine failed while serving this request: "
                                            f"{type(exc).__name__}: {exc}"))
             return
         deliveries: list[tuple[asyncio.Queue, Any]] = []
-        for output in finished:
-            tracked = self._tracked.pop(output.request_id, None)
+        for output in outputs:
+            tracked = self._tracked.pop(output.request_id) if output.finished else \
+                self._tracked.get(output.request_id)
             if tracked is not None:
                 deliveries.append((tracked.queue, output))
-        for tracked in self._tracked.values():
-            seq = tracked.seq
-            if tracked.stream and seq.num_output_tokens > tracked.num_sent:
-                start, tracked.num_sent = tracked.num_sent, seq.num_output_tokens
-                logprobs = seq.output_logprobs[start:] if seq.sampling_params.logprobs is not None else None
-                deliveries.append((tracked.queue, TokenDelta(seq.output_token_ids[start:], logprobs)))
         if deliveries:
             self._post(_deliver, deliveries)
 
     def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: bool,
              request_queue: asyncio.Queue) -> None:
-        seq = self.engine.make_sequence(token_ids, params, request_id)
-        self.engine.add_sequence(seq)
-        self._tracked[request_id] = _Tracked(seq, request_queue, stream)
+        self.engine.add_request(token_ids, params, request_id, stream)
+        self._tracked[request_id] = _Tracked(request_queue)
 
     def _abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None:
@@ -242,25 +230,17 @@ class AsyncEngine:
             if command is not None and command[2] is not None:
                 self._post(_resolve, command[2], None, error)
 
-    def _memory_usage(self) -> dict:
-        if self.config.tensor_parallel_size == 1:
-            return self.engine.memory_usage()
-        from torpor.engine.parallel_runner import usage_with_ranks
-
-        return usage_with_ranks(self.engine)
-
     def _stats(self) -> dict:
-        scheduler = self.engine.scheduler
+        state = self.engine.state()
         memory = self.engine.memory_usage() if self.engine.sleep_mode is not None else None
-        return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-                "serving": not scheduler.paused, "memory": memory}
+        return {"num_running": state.num_running, "num_waiting": state.num_waiting, "serving": state.serving,
+                "memory": memory}
 
     def _publish_state(self) -> None:
-        self.sleeping = self.engine.is_sleeping()
-        serving = not self.engine.scheduler.paused
-        if serving != self.serving:
-            self.serving = serving
-            self._post(self._serving_event.set if serving else self._serving_event.clear)
+        state = self.engine.state()
+        if state.serving != self.state.serving:
+            self._post(self._serving_event.set if state.serving else self._serving_event.clear)
+        self.state = state
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is waiting any more
@@ -275,19 +255,19 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
 
-    async def __aiter__(self) -> AsyncIterator[TokenDelta | RequestOutput]:
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            self.finished = isinstance(item, RequestOutput)
+            self.finished = item.finished
             yield item
 
     async def result(self) -> RequestOutput:
-        """The final output (deltas, if any, are skipped)."""
+        """The final output (streamed ones before it, if any, are skipped)."""
         async for item in self:
-            if isinstance(item, RequestOutput):
+            if item.finished:
                 return item
         raise EngineDeadError(f"request {self.request_id} ended without an output")
 

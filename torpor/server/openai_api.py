@@ -23,10 +23,9 @@ from torpor.server.protocol import (
     CompletionRequest,
     GenerationRequest,
     check_logprobs,
-    check_prompt_length,
     resolve_max_tokens,
 )
-from torpor.server.responses import ChatFormat, CompletionFormat, ResponseFormat, StreamText
+from torpor.server.responses import ChatFormat, CompletionFormat, ResponseFormat
 
 if TYPE_CHECKING:
     from torpor.server.app import ServerState
@@ -48,7 +47,6 @@ async def completions(body: CompletionRequest, request: Request):
     server: ServerState = request.app.state.server
     _check_request(server, body)
     token_ids = body.prompt_token_ids(server.engine.tokenizer, server.engine.vocab_size)
-    check_prompt_length(len(token_ids), server.engine.config.max_model_len, "prompt")
     check_logprobs(body.logprobs, "logprobs")
     max_tokens = _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(token_ids))
     params = body.sampling_params(max_tokens, body.logprobs)
@@ -62,7 +60,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     server: ServerState = request.app.state.server
     _check_request(server, body)
     token_ids = body.prompt_token_ids(server.engine.tokenizer)
-    check_prompt_length(len(token_ids), server.engine.config.max_model_len, "messages")
     check_logprobs(body.top_logprobs, "top_logprobs")
     num_logprobs = body.num_logprobs()
     requested, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
@@ -102,7 +99,7 @@ async def _generate(request: Request, server: ServerState, endpoint: str, fmt: R
                                        len(output.outputs[0].token_ids))
 
     if body.stream:
-        events = _stream_events(stream, fmt, params, len(token_ids), body.include_usage, done)
+        events = _stream_events(stream, fmt, len(token_ids), body.include_usage, done)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         output = await _unless_disconnected(request, stream.result())
@@ -156,29 +153,23 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream_events(stream: RequestStream, fmt: ResponseFormat, params: SamplingParams, num_prompt_tokens: int,
-                         include_usage: bool, done) -> AsyncIterator[str]:
+async def _stream_events(stream: RequestStream, fmt: ResponseFormat, num_prompt_tokens: int, include_usage: bool,
+                         done) -> AsyncIterator[str]:
     """Server-sent events: an opening chunk (chat), one chunk per step's tokens, the final chunk with
     the finish reason, the usage (if asked for), then `[DONE]`. An engine error ends the stream with
     an error event."""
-    text = StreamText(fmt.tokenizer, params.stop)
-    num_received = 0
     try:
         opening = fmt.opening_chunk()
         if opening is not None:
             yield _sse(opening)
-        async for item in stream:
-            if isinstance(item, RequestOutput):
-                completion = item.outputs[0]
-                token_ids = completion.token_ids[num_received:]
-                logprobs = None if completion.logprobs is None else completion.logprobs[num_received:]
-                yield _sse(fmt.chunk(text.finish(completion.text), token_ids, logprobs, completion.finish_reason))
+        async for output in stream:  # the engine's deltas: stop strings already applied
+            completion = output.outputs[0]
+            yield _sse(fmt.chunk(completion.delta_text, completion.delta_token_ids, completion.delta_logprobs,
+                                 completion.finish_reason))
+            if output.finished:
                 if include_usage:
                     yield _sse(fmt.usage_chunk(num_prompt_tokens, len(completion.token_ids)))
-                done(item)
-            else:
-                num_received += len(item.token_ids)
-                yield _sse(fmt.chunk(text.add(item.token_ids), item.token_ids, item.logprobs, None))
+                done(output)
     except Exception as exc:
         yield _sse(engine_error(exc).body())
     finally:

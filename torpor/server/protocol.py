@@ -159,21 +159,15 @@ class ChatCompletionRequest(GenerationRequest):
 
 def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,
                        cap: int, param: str = "max_tokens") -> int:
-    """The request's max_tokens, checked against the cap; the default fills what the context leaves."""
+    """The request's max_tokens, checked against the cap; the default fills what the context leaves (the
+    engine refuses a prompt + max_tokens beyond max_model_len)."""
     if requested is None:
         room = max_model_len - num_prompt_tokens
-        return max(1, min(cap, room if default is None else default))
+        return max(1, min(cap, room, room if default is None else default))
     if isinstance(requested, int) and requested > cap:
         raise APIError(400, f"{param}={requested} exceeds this server's limit of {cap}", param=param,
                        code="max_tokens_exceeded")
     return requested
-
-
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; it must be shorter than the model's "
-                            f"context (max_model_len={max_model_len}) to leave room for an output token",
-                       param=param, code="context_length_exceeded")
 
 
 def check_logprobs(value: int | None, param: str) -> None:

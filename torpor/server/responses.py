@@ -1,12 +1,11 @@
 """OpenAI response bodies: completions and chat completions, whole or as stream chunks, with
-logprobs in each endpoint's shape, and the streamed text of a request."""
+logprobs in each endpoint's shape (the text, streamed deltas included, comes from the engine)."""
 
 from __future__ import annotations
 
 import time
 
 from torpor.engine.outputs import RequestOutput, TokenLogprobs
-from torpor.engine.tokenizer import IncrementalDetokenizer
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
@@ -106,28 +105,3 @@ class ChatFormat(ResponseFormat):
             content.append({**self._entry(token_id, lp[token_id]), "top_logprobs": [self._entry(t, v) for t, v in top]})
         return {"content": content}
 
-
-class StreamText:
-    """The text a stream sends, token by token. With stop strings, the last (longest stop - 1)
-    characters are held back: they may begin a stop string the engine will cut. The final chunk sends
-    the rest of the engine's final text, so the streamed text always equals the non-streamed one."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
-        self.num_sent = 0  # characters of `text` sent
-
-    def add(self, token_ids: list[int]) -> str:
-        """The new text that is safe to send."""
-        for token_id in token_ids:
-            self.text += self.detokenizer.step(token_id)
-        end = len(self.text) - self.hold_back
-        if end <= self.num_sent:
-            return ""
-        delta, self.num_sent = self.text[self.num_sent : end], end
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        """What is left to send of the request's final text."""
-        return final_text[self.num_sent :]
