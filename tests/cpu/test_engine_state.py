@@ -7,6 +7,7 @@ import asyncio
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_failed_sleep_from_level_zero_stays_paused(starved):
 
 
 def _cpu_seconds(native_id: int) -> float:
-    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 

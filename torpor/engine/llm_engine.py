@@ -27,6 +27,15 @@ from torpor.memory import Report
 SLEEP_MODES = ("wait", "abort")
 
 
+class RequestError(ValueError):
+    """A request the engine refuses. `field`: the part at fault ("prompt", "max_tokens", "sampling_params",
+    "request_id"); `code`: a machine-readable reason where one helps a client (context_length_exceeded)."""
+
+    def __init__(self, message: str, field: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.field, self.code = field, code
+
+
 @dataclass(frozen=True)
 class EngineState:
     """What the engine does now: the one state both front ends show."""
@@ -97,37 +106,39 @@ class LLMEngine:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
+                               "sampling_params")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         token_ids, text = self._prompt_tokens(prompt)
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than max_model_len "
-                             f"({max_len}) to leave room for an output token")
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; it must be shorter than max_model_len "
+                               f"({max_len}) to leave room for an output token", "prompt", "context_length_exceeded")
         if len(token_ids) + params.max_tokens > max_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
-                             f"together {len(token_ids) + params.max_tokens}, beyond max_model_len ({max_len}); "
-                             f"shorten the prompt or ask for at most {max_len - len(token_ids)} tokens")
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: together "
+                f"{len(token_ids) + params.max_tokens}, beyond max_model_len ({max_len}); shorten the prompt or "
+                f"ask for at most {max_len - len(token_ids)} tokens", "max_tokens", "context_length_exceeded")
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         return Sequence(request_id, token_ids, params, text)
 
     def _prompt_tokens(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is an empty string")
+                raise RequestError("the prompt is an empty string", "prompt")
             token_ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list | tuple):
             token_ids, text = list(prompt), None
             bad = [t for t in token_ids
                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}) (the vocabulary), "
-                                 f"got {bad[:5]}")
+                raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size}) (the vocabulary), "
+                                   f"got {bad[:5]}", "prompt")
         else:
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+            raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}", "prompt")
         if not token_ids:
-            raise ValueError("the prompt has no tokens")
+            raise RequestError("the prompt has no tokens", "prompt")
         return token_ids, text
 
     def add_sequence(self, seq: Sequence, stream: bool = False) -> str:

@@ -103,6 +103,11 @@ class AsyncEngine:
             raise
         return request_stream
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise the engine's `RequestError` if it would refuse this request (asleep or not; reads only
+        the tokenizer and the configuration, so any thread may call it)."""
+        self.engine.make_sequence(prompt_token_ids, params, "check")
+
     async def wait_until_serving(self, timeout: float | None) -> bool:
         """True once the engine serves (awake, weights valid); False after `timeout` seconds."""
         try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from torpor.engine.llm_engine import RequestError
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 from torpor.server.async_engine import RequestStream
@@ -88,6 +89,11 @@ def _max_tokens(server: ServerState, requested: int | None, default: int | None,
 async def _generate(request: Request, server: ServerState, endpoint: str, fmt: ResponseFormat, token_ids: list[int],
                     params: SamplingParams, body: GenerationRequest):
     start = time.perf_counter()
+    try:  # before waiting: a request the engine refuses is a 400 at once, asleep or not
+        server.engine.check_request(token_ids, params)
+    except RequestError as exc:
+        param = ("prompt" if endpoint == "completions" else "messages") if exc.field == "prompt" else exc.field
+        raise APIError(400, str(exc), param=param, code=exc.code) from None
     await _wait_if_asleep(request, server)
     try:
         stream = await server.engine.add_request(fmt.request_id, token_ids, params, stream=bool(body.stream))
