@@ -47,7 +47,7 @@ async def list_models(request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     server: ServerState = request.app.state.server
     _check_request(server, body)
-    token_ids = body.prompt_token_ids(server.engine.tokenizer, server.engine.vocab_size)
+    token_ids = body.prompt_token_ids(server.engine.tokenizer)
     check_logprobs(body.logprobs, "logprobs")
     max_tokens = _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(token_ids))
     params = body.sampling_params(max_tokens, body.logprobs)

@@ -88,7 +88,8 @@ class CompletionRequest(GenerationRequest):
     def _unsupported(self) -> dict[str, bool]:
         return {"echo": bool(self.echo), "suffix": bool(self.suffix), "best_of": self.best_of not in (None, 1)}
 
-    def prompt_token_ids(self, tokenizer, vocab_size: int) -> list[int]:
+    def prompt_token_ids(self, tokenizer) -> list[int]:
+        """The prompt's token ids (the engine validates them: `LLMEngine.make_sequence`)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -96,12 +97,8 @@ class CompletionRequest(GenerationRequest):
                                     "per prompt", param="prompt", code="unsupported_parameter")
             prompt = prompt[0]
         token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
+        if not token_ids or prompt == "":
             raise APIError(400, "the prompt is empty", param="prompt")
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), got "
-                                f"{bad[:5]}", param="prompt")
         return token_ids
 
 
