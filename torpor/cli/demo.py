@@ -1,6 +1,7 @@
 """`torpor demo`: the engine sleeps, wakes, and answers bit-identically.
 
-Starts the engine on the embedded tiny model (or --model), answers a fixed batch of requests
+Starts the engine -- on a GPU with the qwen3-0.6b geometry (synthetic weights, generated once into
+the cache), on CPU with the embedded tiny model, or on --model -- answers a fixed batch of requests
 (greedy and seeded sampling, with logprobs), then runs three sleep/wake cycles -- level 1 with a
 full wake, level 1 with a selective wake (weights, then KV cache), level 2 with the weights
 reloaded -- and after each checks that every answer is bit-identical to the first. Prints per-tag
@@ -11,10 +12,14 @@ times and copy speeds, and writes a plot of memory over the timeline.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
+GPU_PRESET = "qwen3-0.6b"  # a real geometry: GiB to move, so the table shows link speed
+PLOT_FORMATS = (".png", ".pdf", ".svg")
 CYCLES = {
     "level 1, full wake": (1, [None], False),
     "level 1, weights then kv_cache": (1, [["weights"], ["kv_cache"]], False),
@@ -27,9 +32,12 @@ PROMPTS = ["The engine fell asleep", "Memory comes back", "Every byte returns", 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="sleep and wake the engine and check every answer (the main job)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded tiny model)")
+    p.add_argument("--model", default=None,
+                   help=f"checkpoint folder (default: on a GPU the {GPU_PRESET} geometry with synthetic weights, "
+                        "generated once into the cache; on CPU the embedded tiny model)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
-    p.add_argument("--plot", default="torpor-demo-memory.png", help="where to write the memory plot ('' = none)")
+    p.add_argument("--plot", default="torpor-demo-memory.png",
+                   help="where to write the memory plot: .png, .pdf or .svg ('' = none)")
     p.set_defaults(func=run)
 
 
@@ -46,29 +54,35 @@ class Timeline:
         self.rows.append(row)
         return row
 
-    def plot(self, path: str, device: str) -> None:
-        """Per-tag resident bytes stacked at each event, and the memory in use on a second axis."""
+    def plot(self, path: Path, device: str) -> None:
+        """Per-tag resident bytes as stacked bars, one per event (centred on its tick), and the memory in
+        use as a line over them; one legend, above the plot, so nothing hides the data."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(11, 5))
-        steps = range(len(self.rows))
-        tags = list(self.rows[0]["tags"])
-        ax.stackplot(steps, *[[r["tags"].get(t, 0) / MiB for r in self.rows] for t in tags], labels=tags,
-                     step="post", alpha=0.8)
+        fig, ax = plt.subplots(figsize=(11, 5.5))
+        steps = list(range(len(self.rows)))
+        bottom = [0.0] * len(steps)
+        for tag in self.rows[0]["tags"]:
+            heights = [r["tags"].get(tag, 0) / MiB for r in self.rows]
+            ax.bar(steps, heights, width=0.7, bottom=bottom, label=f"tag {tag}", alpha=0.85)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.set_ylabel("tag memory resident, MiB (stacked)")
+        ax.set_ylim(0, max(max(bottom), 1e-3) * 1.15)
         used = ax.twinx()
-        used.step(steps, [r["device"] / MiB for r in self.rows], where="post", color="black", linewidth=2,
+        in_use = [r["device"] / MiB for r in self.rows]
+        used.plot(steps, in_use, color="black", linewidth=2, marker="o",
                   label="process RSS" if device == "cpu" else "device memory in use")
         used.set_ylabel("MiB in use")
-        used.set_ylim(bottom=0)
-        ax.set_xticks(list(steps), [r["event"] for r in self.rows], rotation=40, ha="right", fontsize=7)
-        ax.set_title(f"torpor demo on {device}: memory at each step of the timeline")
-        ax.legend(loc="upper left", fontsize=8)
-        used.legend(loc="upper right", fontsize=8)
-        fig.tight_layout()
+        used.set_ylim(0, max(in_use) * 1.15)  # headroom: the line never runs along the frame
+        ax.set_xticks(steps, [r["event"] for r in self.rows], rotation=40, ha="right", fontsize=7)
+        ax.set_xlim(-0.6, len(steps) - 0.4)
+        handles = [h for a in (ax, used) for h in a.get_legend_handles_labels()[0]]
+        fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+        ax.set_title(f"torpor demo on {device}: memory at each step of the timeline", pad=4)
+        fig.tight_layout(rect=(0, 0, 1, 0.92))  # the top strip holds the legend
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
@@ -109,11 +123,27 @@ def run(args: argparse.Namespace) -> int:
     from torpor.engine import LLM
     from torpor.engine.sleep_harness import differences
 
+    plot = plot_path(args.plot) if args.plot else None  # before the demo runs, not after
+    on_gpu = uses_gpu(args.device)
     console = Console(width=160) if not sys.stdout.isatty() else Console()
-    with console.status("preparing the model and starting the engine (the first run generates the tiny model)"):
-        llm = LLM(args.model, device=args.device, max_num_seqs=16, max_model_len=512)
+    model, synthetic = args.model, args.model is None
+    if model is None and on_gpu:
+        from torpor.engine.checkpoint import cached_model_path
+
+        console.print(f"the {GPU_PRESET} geometry (synthetic weights) is generated once into the cache")
+        model = str(cached_model_path(GPU_PRESET, progress=True))
+    elif model is not None and not Path(model).is_dir():
+        raise ValueError(f"--model {model}: no such checkpoint folder")
+    what = "the model" if model else "the tiny model (generated on the first run)"
+    with console.status(f"preparing {what} and starting the engine"):
+        # A fixed KV cache for the demo's batch: the table then shows what each tag holds, not a profile.
+        llm = LLM(model, device=args.device, max_num_seqs=16, max_model_len=512,
+                  **({"num_kv_blocks": 16 * 512 // 16} if on_gpu else {}))
     device = str(llm.config.device)
     console.print(f"engine on {device}: {llm.config.model}")
+    if synthetic:
+        console.print("the weights are synthetic (seeded random numbers in a real geometry): the answers are "
+                      "gibberish by design; what counts is that they come back bit-identical after every wake")
     prompts, params = requests(llm)
     timeline = Timeline(llm)
     reference = llm.generate(prompts, params)
@@ -139,13 +169,44 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     sizes = ", ".join(f"{t} {u['allocated_bytes'] / MiB:.2f}" for t, u in llm.memory_usage()["tags"].items())
     console.print(f"bytes in live tensors per tag (MiB): {sizes}")
-    if args.plot:
-        timeline.plot(args.plot, device)
-        console.print(f"memory plot written to {args.plot}")
+    if plot is not None:
+        timeline.plot(plot, device)
+        console.print(f"memory plot written to {plot}")
     console.print("every answer bit-identical to the first" if ok else "[red]answers differ after a wake[/red]")
     return 0 if ok else 1
 
 
+def uses_gpu(device: str) -> bool:
+    """Whether `--device` means CUDA; a CUDA device on a machine without one is refused here."""
+    import torch
+
+    if device == "auto":
+        return torch.cuda.is_available()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    return device.startswith("cuda")
+
+
+def plot_path(path: str) -> Path:
+    """The plot's absolute path, checked before the demo runs: a format matplotlib writes, an existing
+    writable folder, and matplotlib installed."""
+    target = Path(path).expanduser().absolute()
+    if target.suffix.lower() not in PLOT_FORMATS:
+        raise ValueError(f"--plot {path}: the file name must end in {', '.join(PLOT_FORMATS)}")
+    if not target.parent.is_dir():
+        raise ValueError(f"--plot {path}: the folder {target.parent} does not exist")
+    if target.is_dir() or not os.access(target.parent, os.W_OK):
+        raise ValueError(f"--plot {path}: cannot write a file there")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install matplotlib (or --plot '' for no plot)") from None
+    return target
+
+
 def _speed(seconds: float, nbytes: int) -> str:
-    rate = f", {nbytes / seconds / 1e9:.1f} GB/s" if seconds > 0 and nbytes else ""
-    return f"{seconds * 1e3:.0f} ms{rate}"
+    """Time, and for copies the bytes moved and the rate (GiB moved, GB/s as links are quoted)."""
+    if seconds <= 0 or not nbytes:
+        return f"{seconds * 1e3:.0f} ms"
+    size = f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
+    return f"{seconds * 1e3:.0f} ms, {size}, {nbytes / seconds / 1e9:.1f} GB/s"

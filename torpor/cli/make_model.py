@@ -22,7 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from torpor.engine.checkpoint import make_model
+
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise ValueError(f"{args.out_dir} exists and is not a folder: give a checkpoint folder to create or refill")
 
     print(f"writing preset {args.preset!r} (seed {args.seed}, dtype {args.dtype or 'bfloat16'}) to {args.out_dir}")
     start = time.perf_counter()

@@ -63,16 +63,23 @@ def make_model(
 
 def default_model_path() -> Path:
     """The embedded default model (`tiny`, seed 0), generated once into the cache directory
-    ($TORPOR_CACHE, else ~/.cache/torpor). Safe against concurrent callers: each generates into a
-    private temporary directory and renames it into place; the first rename wins."""
+    ($TORPOR_CACHE, else ~/.cache/torpor)."""
+    return cached_model_path(DEFAULT_PRESET, progress=False)
+
+
+def cached_model_path(preset: str, progress: bool = True) -> Path:
+    """Preset `preset` (seed 0, its default dtype), generated once into the cache directory. Safe against
+    concurrent callers: each generates into a private temporary directory and renames it into place; the
+    first rename wins."""
+    get_preset(preset)  # an unknown name fails before anything is written
     root = Path(Env.read().cache_dir)
-    path = root / "models" / f"{DEFAULT_PRESET}-v{GENERATOR_VERSION}"
+    path = root / "models" / f"{preset}-v{GENERATOR_VERSION}"
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        make_model(DEFAULT_PRESET, tmp, progress=False)
+        make_model(preset, tmp, progress=progress)
         try:
             os.rename(tmp, path)
         except OSError:  # another process renamed its copy first
