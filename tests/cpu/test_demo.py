@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a subprocess
 def test_demo_checks_every_answer_and_writes_the_plot(tiny_model_path, tmp_path):
     plot = tmp_path / "memory.png"
     result = subprocess.run([sys.executable, "-m", "torpor", "demo", "--device", "cpu", "--model", tiny_model_path,
@@ -16,6 +19,7 @@ def test_demo_checks_every_answer_and_writes_the_plot(tiny_model_path, tmp_path)
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a subprocess
 def test_bench_sleep_runs_the_harness_and_the_soak(tiny_model_path, tmp_path):
     out = tmp_path / "sleep.json"
     result = subprocess.run([sys.executable, "-m", "torpor", "bench", "sleep", "--device", "cpu", "--model",

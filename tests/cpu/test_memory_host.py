@@ -238,6 +238,7 @@ def test_audit_reports_late_allocations_with_their_stack(mm):
     assert mm.usage()["runtime"].sealed
 
 
+@pytest.mark.slow  # a subprocess
 def test_bench_memory_command_runs_and_reports_identical():
     command = ["bench", "memory", "--device", "cpu", "--size", "0.03", "--num-small", "8", "--cycles", "2"]
     result = subprocess.run([sys.executable, "-m", "torpor", *command], capture_output=True, text=True, timeout=300)

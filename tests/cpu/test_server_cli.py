@@ -66,6 +66,7 @@ def stop_server(process: subprocess.Popen) -> str:
     return process.stderr.read()
 
 
+@pytest.mark.slow  # a subprocess
 def test_serve_runs_and_stops_cleanly_on_sigterm(tiny_model_path):
     env = {**os.environ, "TORPOR_ADMIN_TOKEN": "from-env", "TORPOR_API_KEY": ""}
     argv = [tiny_model_path, "--device", "cpu", "--port", "0", "--max-model-len", "64", "--max-num-seqs", "4",
@@ -87,6 +88,7 @@ def test_serve_runs_and_stops_cleanly_on_sigterm(tiny_model_path):
             process.wait()
 
 
+@pytest.mark.slow  # a subprocess
 def test_serve_tensor_parallel_answers_like_one_process_and_sleeps_on_every_rank(tiny_model_path):
     from torpor.engine import LLM, SamplingParams
 

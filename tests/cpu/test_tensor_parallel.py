@@ -189,6 +189,7 @@ def test_a_worker_failing_at_start_up_is_reported_with_its_error(tiny_model_path
     llm.close()
 
 
+@pytest.mark.slow  # a subprocess
 def test_workers_exit_when_rank_0_dies(tiny_model_path):
     script = ("import sys, time; from torpor.engine import LLM; "
               f"llm = LLM({tiny_model_path!r}, tensor_parallel_size=2, device='cpu', max_model_len=64, "
