@@ -2,6 +2,7 @@
 tests/gpu/test_fused.py compiled on CUDA). Imports torch only: the interpreter tests must set
 TRITON_INTERPRET before triton's first import."""
 
+import references
 import torch
 
 # The norms reduce their sum of squares in another order than PyTorch, so the normalized value h * rsqrt(...)
@@ -88,7 +89,7 @@ def check_qk_norm_rope(fused, case: tuple, num_heads: int, num_kv_heads: int, he
     out, ref = qkv.clone(), qkv.clone()
     args = (cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps)
     returned = fused.qk_norm_rope_(out, *args)
-    fused.qk_norm_rope_reference(ref, *args)
+    references.qk_norm_rope_reference(ref, *args)
     v_start = (num_heads + num_kv_heads) * head_dim
     assert torch.equal(out[:, v_start:], qkv[:, v_start:])  # v untouched
     if q_weight is not None:

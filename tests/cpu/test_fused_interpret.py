@@ -24,6 +24,7 @@ if not isinstance(triton.language.cdiv, InterpretedFunction):
         allow_module_level=True,
     )
 
+import references  # noqa: E402
 from fused_checks import (  # noqa: E402
     NORM_ULP,
     assert_matches,
@@ -44,13 +45,13 @@ def test_add_rms_norm(dtype, num_rows, hidden):
     x, residual, weight = random_rows(num_rows, hidden, dtype, seed=num_rows)
     x_in, residual_in = x.clone(), residual.clone()
     out, residual_out = fused.add_rms_norm(x, residual, weight, EPS)
-    ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
+    ref, ref_residual = references.add_rms_norm_reference(x, residual, weight, EPS)
     assert torch.equal(residual_out, x + residual)  # one rounding of the fp32 sum, as PyTorch's add
     assert_matches(residual_out, ref_residual, exact=True)
     assert_matches(out, ref, max_ulp=NORM_ULP)
     ones = torch.ones_like(weight)  # out is then the normalized value itself: at most 1 ulp off
     assert_matches(
-        fused.add_rms_norm(x, residual, ones, EPS)[0], fused.add_rms_norm_reference(x, residual, ones, EPS)[0]
+        fused.add_rms_norm(x, residual, ones, EPS)[0], references.add_rms_norm_reference(x, residual, ones, EPS)[0]
     )
     assert torch.equal(x, x_in) and torch.equal(residual, residual_in)  # inputs are left alone
 
@@ -59,7 +60,7 @@ def test_add_rms_norm(dtype, num_rows, hidden):
 @pytest.mark.parametrize(("num_rows", "hidden"), [(0, 64), (1, 64), (7, 1000)])
 def test_rms_norm(dtype, num_rows, hidden):
     x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows)
-    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
+    assert_matches(fused.rms_norm(x, weight, EPS), references.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
 
 
 def test_norm_of_strided_rows():
@@ -68,7 +69,7 @@ def test_norm_of_strided_rows():
     wide[:, 7:103] = x
     x_view = wide[:, 7:103]  # rows 256 elements apart
     out, residual_out = fused.add_rms_norm(x_view, residual, weight, EPS)
-    ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
+    ref, ref_residual = references.add_rms_norm_reference(x, residual, weight, EPS)
     assert_matches(out, ref, max_ulp=NORM_ULP)
     assert torch.equal(residual_out, ref_residual)
 
@@ -94,7 +95,7 @@ def test_qk_norm_rope(dtype, num_tokens, num_heads, num_kv_heads, head_dim, norm
 def test_silu_and_mul(dtype, num_rows, intermediate):
     g = torch.Generator().manual_seed(num_rows)
     gate_up = (4 * torch.randn(num_rows, 2 * intermediate, generator=g)).to(dtype)
-    out, ref = fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up)
+    out, ref = fused.silu_and_mul(gate_up), references.silu_and_mul_reference(gate_up)
     # numpy's expf and PyTorch CPU's (Sleef) can differ in the last fp32 bit: at most 1 ulp after rounding here
     assert_matches(out, ref)
 

@@ -22,11 +22,10 @@ if not isinstance(triton.language.cdiv, InterpretedFunction):
         allow_module_level=True,
     )
 
+from references import random_paged_decode_inputs  # noqa: E402
+
 import torpor.engine.attention.triton_decode as td  # noqa: E402
-from torpor.engine.attention.reference import (  # noqa: E402
-    paged_decode_attention_reference,
-    random_paged_decode_inputs,
-)
+from torpor.engine.attention.reference import paged_decode_attention_reference  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # max error / max |ref|
 

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
+import references  # noqa: E402
 from fused_checks import (  # noqa: E402
     NORM_ULP,
     assert_matches,
@@ -43,13 +44,13 @@ NORM_SHAPES = [(0, 64), (1, 64), (7, 1000), (1, 4096), (256, 4096), (3, 16384)]
 def test_add_rms_norm(dtype, num_rows, hidden):
     x, residual, weight = random_rows(num_rows, hidden, dtype, seed=num_rows, device=DEVICE)
     out, residual_out = fused.add_rms_norm(x, residual, weight, EPS)
-    ref, ref_residual = fused.add_rms_norm_reference(x, residual, weight, EPS)
+    ref, ref_residual = references.add_rms_norm_reference(x, residual, weight, EPS)
     assert torch.equal(residual_out, x + residual)
     assert_matches(residual_out, ref_residual, exact=True)
     assert_matches(out, ref, max_ulp=NORM_ULP)
     ones = torch.ones_like(weight)  # out is then the normalized value itself: at most 1 ulp off
     assert_matches(
-        fused.add_rms_norm(x, residual, ones, EPS)[0], fused.add_rms_norm_reference(x, residual, ones, EPS)[0]
+        fused.add_rms_norm(x, residual, ones, EPS)[0], references.add_rms_norm_reference(x, residual, ones, EPS)[0]
     )
 
 
@@ -57,7 +58,7 @@ def test_add_rms_norm(dtype, num_rows, hidden):
 @pytest.mark.parametrize(("num_rows", "hidden"), NORM_SHAPES)
 def test_rms_norm(dtype, num_rows, hidden):
     x, _, weight = random_rows(num_rows, hidden, dtype, seed=10 + num_rows, device=DEVICE)
-    assert_matches(fused.rms_norm(x, weight, EPS), fused.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
+    assert_matches(fused.rms_norm(x, weight, EPS), references.rms_norm_reference(x, weight, EPS), max_ulp=NORM_ULP)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -85,7 +86,7 @@ def test_silu_and_mul(dtype, num_rows, intermediate):
     g = torch.Generator(DEVICE).manual_seed(num_rows)
     gate_up = (4 * torch.randn(num_rows, 2 * intermediate, generator=g, device=DEVICE)).to(dtype)
     # libdevice's expf and an IEEE division: the same fp32 silu as PyTorch's kernel, so bit for bit
-    assert_matches(fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up), exact=True)
+    assert_matches(fused.silu_and_mul(gate_up), references.silu_and_mul_reference(gate_up), exact=True)
 
 
 def test_fused_available():

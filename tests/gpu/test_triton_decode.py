@@ -10,13 +10,11 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
+from references import random_paged_decode_inputs  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import torpor.engine.attention.triton_decode as td  # noqa: E402
-from torpor.engine.attention.reference import (  # noqa: E402
-    paged_decode_attention_reference,
-    random_paged_decode_inputs,
-)
+from torpor.engine.attention.reference import paged_decode_attention_reference  # noqa: E402
 
 if isinstance(td._decode_split_kernel, InterpretedFunction):
     pytest.skip(

@@ -1,17 +1,16 @@
-"""Fused Triton kernels for the small per-layer ops of decode, each with its PyTorch reference.
+"""Fused Triton kernels for the small per-layer ops of decode (their PyTorch references: tests/references.py).
 
 - `add_rms_norm` / `rms_norm`: RMSNorm, with or without the residual add before it (RMSNorm.forward).
 - `qk_norm_rope_`: Qwen3's per-head q/k RMSNorm (optional) then the rotary embedding, in place on the
   qkv projection's output (LlamaAttention.forward between qkv_proj and attention).
 - `silu_and_mul`: SwiGLU on the fused [gate | up] projection (SiluAndMul).
 
-Each kernel rounds at the same points as the model code and does the same fp32 math in between. The
-`*_reference` functions run the model code's own ops; the model uses them wherever `fused_available` is
-False (CPU tensors, no triton). On CUDA, silu_and_mul, the rotary and the residual add match PyTorch bit
-for bit (checked on an H200 with triton 3.6). The norms do not quite: their sum of squares is reduced in
-another order than PyTorch's reduction kernel, so rsqrt's input can differ in its last fp32 bit; then a few
-normalized values differ by 1 ulp of the dtype, up to 2 ulp after a weight of |w| < 1 (about 4e-5 of fp16
-outputs, fewer in bf16; fp32 outputs within 2e-7). What the exact parts take:
+Each kernel rounds at the same points as the model code and does the same fp32 math in between; the model runs
+its own PyTorch ops wherever `fused_available` is False (CPU tensors, no triton). On CUDA, silu_and_mul, the
+rotary and the residual add match PyTorch bit for bit (checked on an H200 with triton 3.6). The norms do not
+quite: their sum of squares is reduced in another order than PyTorch's reduction kernel, so rsqrt's input can
+differ in its last fp32 bit; then a few normalized values differ by 1 ulp of the dtype, up to 2 ulp after a
+weight of |w| < 1 (about 4e-5 of fp16 outputs, fewer in bf16; fp32 outputs within 2e-7). What the exact parts take:
 - fp contraction off (`enable_fp_fusion=False`): PyTorch rounds every product to fp32 in its own kernel,
   so `x1 * cos - x2 * sin` must not become an FMA;
 - libdevice's exp, the expf that PyTorch's silu calls (tl.exp's ex2.approx differs in the last bit), and
@@ -32,10 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from torpor.engine.models.layers.activation import SiluAndMul
-from torpor.engine.models.layers.norm import RMSNorm
-from torpor.engine.models.layers.rotary import apply_rotary
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HIDDEN = 16384  # one row per program, held in registers
@@ -393,61 +388,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         **options,
     )
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# References: the model code's own ops
-
-
-class _Norm:
-    """RMSNorm's own code (`_norm`, `forward`) run on given weights, without building a module."""
-
-    _norm = RMSNorm._norm
-    forward = RMSNorm.forward
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight, self.eps = weight, eps
-
-
-_silu_and_mul_module = SiluAndMul()
-
-
-def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual) by RMSNorm.forward."""
-    return _Norm(weight, eps).forward(x, residual)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """norm(x) by RMSNorm.forward."""
-    return _Norm(weight, eps).forward(x)
-
-
-def qk_norm_rope_reference(
-    qkv: torch.Tensor,
-    cos_sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-) -> None:
-    """qk_norm_rope_ (in place, same arguments) by LlamaAttention.forward's ops: split, view, q_norm/k_norm,
-    apply_rotary; the results are copied back into qkv's q and k columns."""
-    num_tokens = qkv.shape[0]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(num_tokens, num_heads, head_dim)
-    k = k.view(num_tokens, num_kv_heads, head_dim)
-    if q_weight is not None:
-        q, k = _Norm(q_weight, eps).forward(q), _Norm(k_weight, eps).forward(k)
-    q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-    qkv[:, :q_size] = q.view(num_tokens, q_size)
-    qkv[:, q_size : q_size + kv_size] = k.view(num_tokens, kv_size)
-
-
-def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up by SiluAndMul: gate_up [N, 2 * I] -> [N, I]."""
-    return _silu_and_mul_module(gate_up)

@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from torpor.engine.models.layers import fused
 from torpor.engine.models.layers.loading import default_weight_loader
 
 
@@ -24,13 +25,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with `residual`: (norm(x + residual), x + residual). On CUDA, rows [N, H] take one
         fused Triton kernel (same rounding points; see fused.py for the last-bit differences)."""
-        if x.is_cuda and x.dim() == 2:
-            from torpor.engine.models.layers import fused  # here: fused imports this module
-
-            if fused.fused_available(x):
-                if residual is None:
-                    return fused.rms_norm(x, self.weight, self.eps)
-                return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        if x.is_cuda and x.dim() == 2 and fused.fused_available(x):
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
