@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from torpor.engine.sequence import FinishReason, TokenLogprobs
 
 if TYPE_CHECKING:
     from torpor.engine.sequence import Sequence
 
-FinishReason = Literal["stop", "length", "abort"]
-# Logprobs of one position: token id -> logprob for the top-k tokens plus the actual token
-# (the chosen output token, or the real next prompt token). Values are float32 rounded to float.
-TokenLogprobs = dict[int, float]
+__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs"]
 
 
 @dataclass

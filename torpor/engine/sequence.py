@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import Literal
 
-from torpor.engine.outputs import FinishReason, TokenLogprobs
 from torpor.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+# Logprobs of one position: token id -> logprob for the top-k tokens plus the actual token
+# (the chosen output token, or the real next prompt token). Values are float32 rounded to float.
+TokenLogprobs = dict[int, float]
 
 
 class SequenceStatus(Enum):

@@ -10,9 +10,10 @@ POST /wake_up?tags=..., GET /is_sleeping, POST /reload_weights, GET /memory, POS
 POST /release_memory_occupation, POST /resume_memory_occupation.
 """
 
-from torpor.server.app import ServerState, build_app
+from torpor.server.app import build_app
 from torpor.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from torpor.server.config import ServerConfig
+from torpor.server.state import ServerState
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServerConfig", "ServerState",
            "build_app"]

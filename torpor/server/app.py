@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,18 +12,8 @@ from torpor.server import control, openai_api
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.config import ServerConfig
 from torpor.server.errors import install_error_handlers
-from torpor.server.metrics import Metrics
 from torpor.server.middleware import BodyLimit, CountRequests
-
-
-@dataclass
-class ServerState:
-    """What the routes share (`request.app.state.server`)."""
-
-    engine: AsyncEngine
-    config: ServerConfig
-    metrics: Metrics = field(default_factory=Metrics)
-    started: int = field(default_factory=lambda: int(time.time()))
+from torpor.server.state import ServerState
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:

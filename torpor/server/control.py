@@ -20,7 +20,7 @@ from torpor.server.errors import APIError, engine_error
 
 if TYPE_CHECKING:
     from torpor.memory import Report
-    from torpor.server.app import ServerState
+    from torpor.server.state import ServerState
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 

@@ -29,7 +29,7 @@ from torpor.server.protocol import (
 from torpor.server.responses import ChatFormat, CompletionFormat, ResponseFormat
 
 if TYPE_CHECKING:
-    from torpor.server.app import ServerState
+    from torpor.server.state import ServerState
 
 ASLEEP_TIMEOUT_HEADER = "x-asleep-timeout"
 router = APIRouter(dependencies=[Depends(require_api_key)])

@@ -1,0 +1,20 @@
+"""`ServerState`: what the routes of one app share (`request.app.state.server`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from torpor.server.async_engine import AsyncEngine
+from torpor.server.config import ServerConfig
+from torpor.server.metrics import Metrics
+
+
+@dataclass
+class ServerState:
+    """The engine, the configuration and the metrics of one server."""
+
+    engine: AsyncEngine
+    config: ServerConfig
+    metrics: Metrics = field(default_factory=Metrics)
+    started: int = field(default_factory=lambda: int(time.time()))
