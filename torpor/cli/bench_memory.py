@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from torpor.memory import device_used_bytes
+
 GiB = 2**30
 MiB = 2**20
 
@@ -36,14 +38,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def device_used(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return total - free
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def pinned_bandwidth(device: torch.device, nbytes: int = 4 * GiB, repeats: int = 3) -> dict[str, float]:
@@ -86,14 +80,14 @@ def measure_cycles(engine: str, device: torch.device, tensors: list[torch.Tensor
     rows = []
     for cycle in range(cycles):
         sync(device)
-        awake = device_used(device)
+        awake = device_used_bytes(device)
         sleep_s, offload_gbps = sleep()
-        asleep = device_used(device)
+        asleep = device_used_bytes(device)
         wake_s, restore_gbps = wake()
         rows.append(dict(engine=engine, workload=f"{len(tensors)} x {total // len(tensors) // MiB} MiB",
                          cycle=cycle + 1, offload_gbps=offload_gbps, restore_gbps=restore_gbps, sleep_s=sleep_s,
                          wake_s=wake_s, awake_mib=awake / MiB, asleep_mib=asleep / MiB,
-                         after_mib=device_used(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
+                         after_mib=device_used_bytes(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
                          identical=checksum(tensors) == reference))
     return rows
 
@@ -150,7 +144,7 @@ def tms_worker(device: torch.device, args: argparse.Namespace) -> list[dict]:
     tms = TorchMemorySaver()
     tms.hook_mode = "torch"  # the pluggable-allocator mode, as torpor (no LD_PRELOAD)
     torch.zeros(1, device=device)
-    bare = device_used(device)
+    bare = device_used_bytes(device)
     return [r for total, count in workloads(args) for r in bench_tms(tms, device, total, count, args.cycles, bare)]
 
 
@@ -187,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         torch.zeros(1, device=device)
         sync(device)
-    bare = device_used(device)
+    bare = device_used_bytes(device)
     link = pinned_bandwidth(device) if device.type == "cuda" else {}
     rows = []
     for total, count in workloads(args):

@@ -53,15 +53,6 @@ def resolve_model(name: str | None, device: str) -> str:
     return str(checkpoint(name, Path(Env.read().cache_dir) / "models"))
 
 
-def used_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        free, total = torch.cuda.mem_get_info()
-        return total - free
-    from torpor.engine.sleep_harness import host_rss
-
-    return host_rss()
-
-
 def build(model: str, args: argparse.Namespace, **options):
     from torpor.engine import LLM
 
@@ -119,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, device)
     if device.startswith("cuda"):
         torch.zeros(1, device=device)
-    bare = used_bytes(device)
+    from torpor.memory import device_used_bytes
+
+    bare = device_used_bytes(device)
     link = pinned_bandwidth(torch.device(device)) if device.startswith("cuda") else {}
     results: dict = dict(model=model, device=device, bare_mib=bare / MiB, link_gbps=link)
     if not args.skip_untagged:

@@ -33,7 +33,7 @@ class EngineStream:
         self._handle = None
         self.stream: torch.cuda.ExternalStream | None = None
         if device.type == "cuda":
-            from torpor.memory import cuda_driver
+            from torpor.memory import create_stream
 
             with _SPARE_LOCK:
                 spare = _SPARE_STREAMS.get(device.index, [])
@@ -41,7 +41,7 @@ class EngineStream:
             if self._handle is None:
                 with torch.cuda.device(device):
                     torch.zeros(1, device=device)  # the primary context exists and is current
-                    self._handle = cuda_driver.stream_create()
+                    self._handle = create_stream()
             self.stream = torch.cuda.ExternalStream(int(self._handle), device=device)
 
     @contextlib.contextmanager

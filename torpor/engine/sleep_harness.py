@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torpor.engine.loader import iter_checkpoint
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
+from torpor.memory import process_rss_bytes
 
 Request = tuple[list[int], SamplingParams]
 
@@ -134,11 +135,6 @@ class SoakResult:
         return num / den / 2**20
 
 
-def host_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 def soak(llm, requests: list[Request], cycles: int, log: Callable[[str], None] | None = None) -> SoakResult:
     """`cycles` sleep/wake cycles alternating levels and selective wakes, each followed by a round
     that must equal the first; device memory and host RSS recorded after every wake."""
@@ -150,7 +146,7 @@ def soak(llm, requests: list[Request], cycles: int, log: Callable[[str], None] |
         exact = not differences(reference, run_round(llm, requests))
         result.exact_cycles += exact
         result.device_bytes.append(llm.memory_usage()["device_used_bytes"])
-        result.host_rss_bytes.append(host_rss())
+        result.host_rss_bytes.append(process_rss_bytes())
         if log is not None and (cycle + 1) % max(1, cycles // 10) == 0:
             device, rss = result.device_bytes[-1] / 2**20, result.host_rss_bytes[-1] / 2**20
             log(f"cycle {cycle + 1}/{cycles}: exact so far {result.exact_cycles}/{cycle + 1}, "

@@ -48,13 +48,10 @@ def rank_info(runner, memory) -> dict:
     CPU: the process's RSS), its tags and how many CUDA graphs it holds."""
     if memory is not None:
         used, tags = memory.device_used_bytes(), {tag: asdict(u) for tag, u in memory.usage().items()}
-    elif runner.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(runner.device)
-        used, tags = total - free, {}
     else:
-        from torpor.engine.sleep_harness import host_rss
+        from torpor.memory import device_used_bytes
 
-        used, tags = host_rss(), {}
+        used, tags = device_used_bytes(runner.device), {}
     graphs = runner.graphs.graphs if runner.graphs is not None else {}
     return {"rank": tp_rank(), "pid": os.getpid(), "device": str(runner.device), "device_used_bytes": used,
             "cuda_graphs": len(graphs), "tags": tags}

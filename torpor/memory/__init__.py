@@ -11,6 +11,7 @@ Never imports the engine. See docs/memory.md.
 """
 
 from torpor.memory.manager import MemoryManager
+from torpor.memory.system import create_stream, device_used_bytes, process_rss_bytes
 from torpor.memory.types import (
     Action,
     AuditReport,
@@ -38,4 +39,7 @@ __all__ = [
     "TagUsage",
     "TorporMemoryError",
     "WakeError",
+    "create_stream",
+    "device_used_bytes",
+    "process_rss_bytes",
 ]

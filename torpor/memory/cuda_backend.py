@@ -41,6 +41,7 @@ from torpor.memory import cuda_driver
 from torpor.memory.cuda_driver import CudaDriverError, VirtualMemory
 from torpor.memory.host_buffer import HostBuffer
 from torpor.memory.segments import DeviceOutOfMemory, Segment, SegmentStore
+from torpor.memory.system import device_used_bytes
 from torpor.memory.types import HostMemoryError
 
 _ALLOC_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
@@ -282,8 +283,7 @@ class CudaBackend(SegmentStore):
         return per_tag, untagged
 
     def device_used_bytes(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device_index)
-        return total - free
+        return device_used_bytes(torch.device("cuda", self.device_index))
 
 
 def _free_host_buffer(buffer: HostBuffer, device_index: int) -> None:

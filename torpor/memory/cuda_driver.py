@@ -154,10 +154,6 @@ def stream_create() -> Any:
     return check("cuStreamCreate", cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
 
 
-def stream_destroy(stream: Any) -> None:
-    check("cuStreamDestroy", driver().cuStreamDestroy(stream))
-
-
 def make_primary_context_current(device_index: int) -> None:
     """Make the device's primary context (the one PyTorch's runtime uses) current on this
     thread, creating it if PyTorch has not touched the device yet."""

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from torpor.memory.host_arena import HostArena, HostChunk
 from torpor.memory.segments import Segment, SegmentStore
+from torpor.memory.system import process_rss_bytes
 from torpor.memory.types import Action, HostMemoryError, TagReport
 
 aten = torch.ops.aten
@@ -171,8 +172,7 @@ class HostBackend(SegmentStore):
 
     def device_used_bytes(self) -> int:
         """Resident set size of this process."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * mmap.PAGESIZE
+        return process_rss_bytes()
 
 
 class _ArenaMode(TorchDispatchMode):
