@@ -10,13 +10,14 @@ import time
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from torpor.engine.checkpoint import PRESETS
+    from torpor.engine.config import DTYPE_NAMES
 
     p = sub.add_parser("make-model", help="write a synthetic Hugging Face checkpoint",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("preset", choices=list(PRESETS), help="model geometry")
     p.add_argument("out_dir", help="checkpoint folder (created if needed)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="weights dtype (default bfloat16)")
     p.set_defaults(func=run)
 

@@ -10,7 +10,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # every dtype the engine runs in (one list: models/config.py
+# maps them to torch dtypes, the kernels and loaders take exactly these)
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # "auto": the checkpoint's
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # Without an explicit budget the prefill batch holds at least this many tokens (and always a
 # whole max_model_len prompt, since prefill is not chunked).
@@ -52,8 +54,8 @@ class EngineConfig:
     def _validate(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty checkpoint path, got {self.model!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",

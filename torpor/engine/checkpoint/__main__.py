@@ -4,6 +4,7 @@ import argparse
 
 from torpor.engine.checkpoint.generator import DEFAULT_MAX_SHARD_BYTES, make_model
 from torpor.engine.checkpoint.presets import PRESETS
+from torpor.engine.config import DTYPE_NAMES
 
 
 def main() -> None:
@@ -11,7 +12,7 @@ def main() -> None:
     parser.add_argument("preset", choices=list(PRESETS))
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None)
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     args = parser.parse_args()
     path = make_model(args.preset, args.out_dir, args.seed, args.dtype, max_shard_bytes=args.max_shard_bytes)

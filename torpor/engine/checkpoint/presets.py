@@ -23,7 +23,7 @@ LLAMA3_TEMPLATE = r"""{{- bos_token }}
 
 
 @dataclass(frozen=True)
-class ChatFormat:
+class SpecialTokens:
     """Special tokens (content, id offset from the first special id) and how the tokenizer uses them."""
 
     special_tokens: tuple[tuple[str, int], ...]
@@ -40,7 +40,7 @@ class ChatFormat:
         return max(offset for _, offset in self.special_tokens) + 1
 
 
-CHATML = ChatFormat(
+CHATML = SpecialTokens(
     special_tokens=(("<|endoftext|>", 0), ("<|im_start|>", 1), ("<|im_end|>", 2)),
     bos_token=None,
     eos_token="<|im_end|>",
@@ -49,7 +49,7 @@ CHATML = ChatFormat(
     config_eos_tokens=("<|im_end|>",),
     chat_template=CHATML_TEMPLATE,
 )
-LLAMA3 = ChatFormat(
+LLAMA3 = SpecialTokens(
     special_tokens=(
         ("<|begin_of_text|>", 0),
         ("<|end_of_text|>", 1),
@@ -71,7 +71,7 @@ LLAMA3 = ChatFormat(
 class Preset:
     name: str
     config: dict[str, Any]  # config.json without token ids and dtype (the generator fills them)
-    chat_format: ChatFormat
+    chat_format: SpecialTokens
     special_token_start: int | None = None  # None: the special tokens end the vocab (tiny models)
     base_vocab_size: int = 1024  # byte-level BPE tokens learnt from the corpus (<= 1293 possible)
 

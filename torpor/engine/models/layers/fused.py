@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from torpor.engine.models.config import DTYPES
+
+_SUPPORTED_DTYPES = tuple(DTYPES.values())
 _MAX_HIDDEN = 16384  # one row per program, held in registers
 
 # Bound by _load_triton(); the kernels below look them up as module globals when they are compiled.

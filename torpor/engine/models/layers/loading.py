@@ -2,7 +2,9 @@
 
 import torch
 
-LOADABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from torpor.engine.models.config import DTYPES
+
+LOADABLE_DTYPES = tuple(DTYPES.values())
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
