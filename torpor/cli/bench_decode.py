@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -101,21 +98,11 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> floa
 
 
 def checkpoint(preset: str, cache: Path) -> Path:
-    """The synthetic bf16 checkpoint of `preset` (seed 0), generated once into `cache`."""
-    from torpor.engine.checkpoint import make_model
+    """The synthetic bf16 checkpoint of `preset` (seed 0), generated once into `cache` (the one cache
+    `torpor demo` uses too)."""
+    from torpor.engine.checkpoint import cached_model_path
 
-    path = cache / f"{preset}-seed0-bfloat16"
-    if (path / "config.json").is_file():
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    print(f"generating the {preset} checkpoint into {path}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache))
-    try:
-        make_model(preset, tmp, seed=0, dtype="bfloat16", progress=True)
-        os.rename(tmp, path)  # config.json appears with the complete checkpoint only
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return cached_model_path(preset, progress=True, models_dir=cache)
 
 
 def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, copy_gbps: float) -> dict:

@@ -64,22 +64,28 @@ def make_model(
 def default_model_path() -> Path:
     """The embedded default model (`tiny`, seed 0), generated once into the cache directory
     ($TORPOR_CACHE, else ~/.cache/torpor)."""
-    return cached_model_path(DEFAULT_PRESET, progress=False)
+    path = Path(Env.read().cache_dir) / "models" / f"{DEFAULT_PRESET}-v{GENERATOR_VERSION}"
+    return _generate_once(DEFAULT_PRESET, path, dtype=None, progress=False)
 
 
-def cached_model_path(preset: str, progress: bool = True) -> Path:
-    """Preset `preset` (seed 0, its default dtype), generated once into the cache directory. Safe against
-    concurrent callers: each generates into a private temporary directory and renames it into place; the
-    first rename wins."""
+def cached_model_path(preset: str, progress: bool = True, models_dir: str | Path | None = None) -> Path:
+    """The bf16 checkpoint of `preset` (seed 0), generated once into `models_dir` (default: the cache
+    directory's models/; `torpor demo` on a GPU and the benchmarks share it)."""
     get_preset(preset)  # an unknown name fails before anything is written
-    root = Path(Env.read().cache_dir)
-    path = root / "models" / f"{preset}-v{GENERATOR_VERSION}"
+    root = Path(models_dir) if models_dir is not None else Path(Env.read().cache_dir) / "models"
+    return _generate_once(preset, root / f"{preset}-seed0-bfloat16", dtype="bfloat16", progress=progress)
+
+
+def _generate_once(preset: str, path: Path, dtype: str | None, progress: bool) -> Path:
+    """`path`, generated unless it holds a checkpoint. Safe against concurrent callers: each generates into
+    a private temporary directory and renames it into place (config.json appears with the complete
+    checkpoint only); the first rename wins."""
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        make_model(preset, tmp, progress=progress)
+        make_model(preset, tmp, dtype=dtype, progress=progress)
         try:
             os.rename(tmp, path)
         except OSError:  # another process renamed its copy first
