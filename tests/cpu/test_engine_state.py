@@ -116,6 +116,23 @@ def test_failed_sleep_from_level_zero_stays_paused(starved):
     assert starved.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
 
 
+def test_failed_sleep_with_the_backup_folder_gone_stays_paused(tiny_model_path, tmp_path):
+    """The TMPDIR-deleted case: the level-1 sleep cannot write its host copies."""
+    folder = tmp_path / "backup"
+    folder.mkdir()
+    llm = LLM(tiny_model_path, memory=MemoryManager("cpu", backup_dir=str(folder)), **ENGINE)
+    llm.sleep(0)
+    folder.rmdir()
+    with pytest.raises(Exception, match=r"backup|No such file"):
+        llm.sleep(1)
+    state = llm.state
+    assert state.sleep_level == 0 and not state.serving and set(state.tags.values()) == {"awake"}
+    assert not llm.engine.scheduler.draining
+    folder.mkdir()
+    assert llm.sleep(1) is not None and llm.wake_up().serving
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
+
+
 def _cpu_seconds(native_id: int) -> float:
     fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime

@@ -56,12 +56,13 @@ class EngineState:
         if self.serving:
             return None
         asleep = [tag for tag, state in self.tags.items() if state == "asleep"]
-        reload = "reload_weights() or update_weights()"
+        reload = "reload_weights() or update_weights() (HTTP: /reload_weights)"
         if self.sleep_level is None:
             return f"the weights were discarded by sleep(level=2) and every tag is awake: call {reload}"
         if self.sleep_level == 0:
-            return "the engine is paused (sleep level 0): call wake_up()"
-        wake = f"the engine sleeps (level {self.sleep_level}; asleep: {', '.join(asleep)}): call wake_up()"
+            return "the engine is paused (sleep level 0): call wake_up() (HTTP: /wake_up)"
+        wake = (f"the engine sleeps (level {self.sleep_level}; asleep: {', '.join(asleep)}): call wake_up() "
+                f"(HTTP: /wake_up)")
         return wake if self.weights_valid else f"{wake}, then {reload}"
 
 

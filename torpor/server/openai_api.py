@@ -135,8 +135,8 @@ async def _wait_if_asleep(request: Request, server: ServerState) -> None:
     if timeout is None or server.engine.serving:
         return
     if not await server.engine.wait_until_serving(timeout):
-        raise APIError(503, f"the engine is asleep (or its weights await reload_weights) and did not serve "
-                            f"within {timeout:g} s; retry after a wake_up", code="engine_asleep")
+        raise APIError(503, f"the engine did not serve within {timeout:g} s: "
+                            f"{server.engine.state.not_serving_reason()}", code="engine_asleep")
 
 
 async def _unless_disconnected(request: Request, awaitable):
