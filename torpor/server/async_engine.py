@@ -17,7 +17,6 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from torpor.engine.llm_engine import EngineState, LLMEngine
@@ -35,11 +34,6 @@ class EngineStepError(RuntimeError):
     """An engine step raised; the requests it was serving were aborted (the engine thread goes on)."""
 
 
-@dataclass
-class _Tracked:
-    queue: asyncio.Queue
-
-
 _Command = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
 
 
@@ -52,7 +46,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its stream's queue; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._serving_event: asyncio.Event | None = None
@@ -197,31 +191,30 @@ class AsyncEngine:
             return
         deliveries: list[tuple[asyncio.Queue, Any]] = []
         for output in outputs:
-            tracked = self._tracked.pop(output.request_id) if output.finished else \
-                self._tracked.get(output.request_id)
-            if tracked is not None:
-                deliveries.append((tracked.queue, output))
+            request_queue = (self._queues.pop if output.finished else self._queues.get)(output.request_id, None)
+            if request_queue is not None:
+                deliveries.append((request_queue, output))
         if deliveries:
             self._post(_deliver, deliveries)
 
     def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: bool,
              request_queue: asyncio.Queue) -> None:
         self.engine.add_request(token_ids, params, request_id, stream)
-        self._tracked[request_id] = _Tracked(request_queue)
+        self._queues[request_id] = request_queue
 
     def _abort(self, request_id: str) -> None:
-        if self._tracked.pop(request_id, None) is not None:
+        if self._queues.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         deliveries = []
-        for request_id, tracked in list(self._tracked.items()):
+        for request_id, request_queue in list(self._queues.items()):
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("could not abort request %s", request_id)
-            deliveries.append((tracked.queue, error))
-        self._tracked.clear()
+            deliveries.append((request_queue, error))
+        self._queues.clear()
         if deliveries:
             self._post(_deliver, deliveries)
 
