@@ -26,9 +26,25 @@ def tp_size() -> int:
     return _size
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
+def rendezvous_store(port: int, size: int, is_rank0: bool, timeout_s: float) -> dist.TCPStore:
+    """The ranks' meeting point on this host: rank 0 hosts it (`port` 0 picks a free port, read back from
+    `.port`) and returns at once; the workers connect to rank 0's port."""
+    return dist.TCPStore("127.0.0.1", port, size, is_rank0, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def check_in(store: dist.TCPStore, rank: int) -> None:
+    """A worker: tell rank 0 this process started and reached the store (see `checked_in`)."""
+    store.set(f"torpor/up/{rank}", "1")
+
+
+def checked_in(store: dist.TCPStore, ranks: range) -> bool:
+    """Rank 0: whether every worker of `ranks` has checked in."""
+    return store.check([f"torpor/up/{rank}" for rank in ranks])
+
+
+def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.device,
                          timeout_s: float = 120.0) -> None:
-    """Join the group of `size` ranks (rendezvous at `init_method`, e.g. "tcp://127.0.0.1:PORT").
+    """Join the group of `size` ranks that meet at `store` (see `rendezvous_store`).
 
     On CUDA the rank's device becomes this thread's current device first, so neither NCCL nor PyTorch
     ever makes a context on another device (cuda:0 by default), and the communicator is created now
@@ -41,7 +57,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
             raise ValueError(f"tensor parallelism needs an indexed CUDA device (cuda:N), got {device}")
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     _rank, _size, _device = rank, size, device
 

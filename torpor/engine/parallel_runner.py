@@ -16,6 +16,7 @@ from torpor.engine.model_runner import ModelRunner
 from torpor.engine.models import ModelConfig
 from torpor.engine.sampler import SamplerOutput
 from torpor.engine.sequence import Sequence
+from torpor.engine.step_batch import StepBatch
 from torpor.engine.worker import rank_info
 from torpor.engine.worker_group import RankError, WorkerGroup, end_tensors, send_tensors
 
@@ -79,7 +80,7 @@ class ParallelModelRunner:
         """One step on every rank. A step that fails on any rank leaves the engine unusable (the ranks'
         collectives may be out of step): a worker exits after replying its error; a failure here waits
         STEP_FAILURE_WAIT_S for the workers, then gives them up."""
-        return self._everywhere("run", (seqs, is_prefill), lambda: self.local.run(seqs, is_prefill),
+        return self._everywhere("run", (StepBatch.pack(seqs, is_prefill),), lambda: self.local.run(seqs, is_prefill),
                                 failed_here_wait_s=STEP_FAILURE_WAIT_S)
 
     def reload_weights(self, path: str) -> None:

@@ -27,7 +27,9 @@ import torch
 from torpor.engine.config import EngineConfig
 from torpor.engine.distributed import (
     broadcast_from_rank0,
+    check_in,
     init_tensor_parallel,
+    rendezvous_store,
     shutdown_tensor_parallel,
     tp_rank,
 )
@@ -61,7 +63,7 @@ def rank_info(runner, memory) -> dict:
 
 
 # ---- the worker process ------------------------------------------------------------------------
-def worker_main(rank: int, size: int, config: EngineConfig, init_method: str, memory_options: dict | None,
+def worker_main(rank: int, size: int, config: EngineConfig, store_port: int, memory_options: dict | None,
                 conn) -> None:
     """Entry point of rank `rank` (a spawned process): start up, then serve rank 0's commands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
@@ -72,7 +74,9 @@ def worker_main(rank: int, size: int, config: EngineConfig, init_method: str, me
     try:
         from torpor.engine.model_runner import ModelRunner
 
-        init_tensor_parallel(rank, size, init_method, torch.device(config.device), config.tp_timeout_s)
+        store = rendezvous_store(store_port, size, False, config.tp_timeout_s)
+        check_in(store, rank)
+        init_tensor_parallel(rank, size, store, torch.device(config.device), config.tp_timeout_s)
         memory = None
         if memory_options is not None:
             from torpor.memory import MemoryManager
@@ -135,8 +139,9 @@ def _serve(runner, memory, conn) -> str:
 
 def _handle(runner, memory, conn, command: str, args: tuple):
     if command == "run":
+        (batch,) = args  # a StepBatch
         with torch.inference_mode():
-            runner.compute_logits(*args)  # rank 0 samples from the gathered logits
+            runner.compute_logits(batch.sequences(), batch.is_prefill)  # rank 0 samples from the gathered logits
         return None
     if command == "sleep":
         memory.sleep(*args)
