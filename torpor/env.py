@@ -38,6 +38,9 @@ class Env:
     # The model's GEMMs on CUDA: "cublaslt" (default; torpor/engine/cublaslt.py says why) or "torch"
     # (F.linear, PyTorch's cuBLAS handle: +66 MiB of device memory per thread that stays while asleep).
     gemm: str
+    # Tensor parallelism's collectives on CUDA: "torpor" (default: a symmetric buffer that sleeps with the
+    # engine, tensor_exchange.py) or "nccl" (NCCL's communicator, ~1 GiB per GPU that stays while asleep).
+    tp_comm: str
 
     @classmethod
     def read(cls) -> Env:
@@ -47,4 +50,5 @@ class Env:
             admin_token=os.environ.get("TORPOR_ADMIN_TOKEN") or None,
             api_key=os.environ.get("TORPOR_API_KEY") or None,
             gemm=_choice("TORPOR_GEMM", ("cublaslt", "torch")),
+            tp_comm=_choice("TORPOR_TP_COMM", ("torpor", "nccl")),
         )
