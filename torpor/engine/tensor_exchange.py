@@ -14,11 +14,11 @@ from typing import Protocol
 
 import torch
 
-from torpor.engine.exchange_kernel import BROADCAST, GATHER, SUM, exchange_kernel
+from torpor.engine.exchange_kernel import BLOCK, BROADCAST, GATHER, SUM, exchange_kernel
 
 FLAG_BYTES = 64 << 10          # int64 flags: one per program, the last is the error word
 MAX_PROGRAMS = FLAG_BYTES // 8 - 1
-MIN_BLOCK = 1024
+CPU_PROGRAMS = 4               # Triton's interpreter (tests) runs the programs one after another
 
 
 class SymmetricBuffer(Protocol):
@@ -41,6 +41,10 @@ class TensorExchange:
         self.buffer = buffer
         self.rank, self.size = buffer.rank, buffer.size
         self.area_bytes = (buffer.slot_bytes - FLAG_BYTES) // 2 // 16 * 16
+        device = buffer.view(torch.uint8).device
+        # One program per SM: every program is resident at once, so none waits on one that never starts.
+        self.num_programs = min(MAX_PROGRAMS, torch.cuda.get_device_properties(device).multi_processor_count
+                                if device.type == "cuda" else CPU_PROGRAMS)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place, accumulated in fp32 in rank order (the same bits on every rank)."""
@@ -79,14 +83,8 @@ class TensorExchange:
         return [(start, min(start + step, flat.numel())) for start in range(0, flat.numel(), step)]
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, op: int, out_row_stride: int) -> None:
-        n, itemsize = x.numel(), x.element_size()
-        block = max(MIN_BLOCK, triton_next_power_of_2(-(-n // MAX_PROGRAMS)))
-        slot_bytes = self.buffer.slot_bytes
-        exchange_kernel[(-(-n // block),)](
-            x, out, self.buffer.view(x.dtype), self.buffer.view(torch.int64), n, out_row_stride, self.rank,
+        itemsize, slot_bytes = x.element_size(), self.buffer.slot_bytes
+        exchange_kernel[(self.num_programs,)](
+            x, out, self.buffer.view(x.dtype), self.buffer.view(torch.int64), x.numel(), out_row_stride, self.rank,
             slot_bytes // itemsize, slot_bytes // 8, FLAG_BYTES // itemsize, self.area_bytes // itemsize,
-            MAX_PROGRAMS, SIZE=self.size, OP=op, BLOCK=block)
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+            MAX_PROGRAMS, SIZE=self.size, OP=op, BLOCK=BLOCK)
