@@ -40,6 +40,9 @@ class Env:
     gemm: str
     # The `torpor` command: show the traceback of an error instead of its one-line message.
     traceback: bool
+    # Tensor parallelism's collectives on CUDA: "torpor" (default: a symmetric buffer that sleeps with the
+    # engine, tensor_exchange.py) or "nccl" (NCCL's communicator, ~1 GiB per GPU that stays while asleep).
+    tp_comm: str
 
     @classmethod
     def read(cls) -> Env:
@@ -50,4 +53,5 @@ class Env:
             api_key=os.environ.get("TORPOR_API_KEY") or None,
             gemm=_choice("TORPOR_GEMM", ("cublaslt", "torch")),
             traceback=os.environ.get("TORPOR_TRACEBACK", "") not in ("", "0"),
+            tp_comm=_choice("TORPOR_TP_COMM", ("torpor", "nccl")),
         )

@@ -37,3 +37,14 @@ def test_bench_decode_runs_end_to_end_on_cpu(tmp_path, capsys):
     assert batch1["model"] == "tiny" and batch1["tokens_per_s"] > 0 and batch1["bytes_per_step"] > 0
     throughput = results["throughput"]
     assert throughput["output_tokens"] > 0 and throughput["ratio"] > 0
+
+
+def test_bench_decode_at_two_ranks_and_after_a_sleep_on_cpu(tmp_path, capsys):
+    argv = ["bench", "decode", "--device", "cpu", "--models", "tiny", "--throughput-model", "tiny",
+            "--cache-dir", str(tmp_path / "models"), "--prompt-len", "8", "--decode-tokens", "8",
+            "--num-requests", "6", "--prompt-lens", "4,12", "--output-lens", "2,6", "--max-num-seqs", "4",
+            "--no-hf", "--copy-gib", "0.01", "--tensor-parallel-size", "2", "--sleep-cycle"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tiny batch 1 (TP=2)" in printed and "after a level-1 sleep and wake" in printed
+    assert "tiny throughput (TP=2)" in printed

@@ -224,3 +224,57 @@ def test_devices_of_every_rank_must_be_visible(monkeypatch, tiny_model_path):
         check_devices(config)
     check_devices(dataclasses.replace(config, device="cuda:0"))
     check_devices(dataclasses.replace(config, device="cpu", tensor_parallel_size=8))
+
+
+def test_a_script_without_a_main_guard_fails_fast_and_says_why(tiny_model_path, tmp_path):
+    """The spawn start method re-imports the main module in every worker: a script that builds the LLM at
+    its top level makes each worker build one too and die. Start-up must fail within seconds, naming
+    the cause (before: a 10-minute wait in the rendezvous, then a DistStoreError)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"from torpor.engine import LLM\nLLM({tiny_model_path!r}, tensor_parallel_size=2, "
+                      "device='cpu', max_model_len=64, enable_sleep_mode=False)\n")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()}, cwd=tmp_path)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "WorkerDiedError" in result.stderr and 'if __name__ == "__main__":' in result.stderr
+
+
+def test_step_message_to_workers_carries_only_what_they_need():
+    """A decode step of 256 sequences x 2k tokens with logprobs: the workers get the new tokens, lengths and
+    block tables, not every token and logprob (measured before: 2.1 MiB per step, 7.4 MiB with logprobs)."""
+    import pickle
+    import random
+
+    from torpor.engine.sequence import Sequence
+    from torpor.engine.step_batch import StepBatch
+
+    rng = random.Random(0)
+    seqs = []
+    for i in range(256):
+        seq = Sequence(str(i), [rng.randrange(150_000) for _ in range(1024)], SamplingParams(logprobs=5))
+        for _ in range(1024):
+            seq.append_token(rng.randrange(150_000), {rng.randrange(150_000): -rng.random() for _ in range(6)})
+        seq.block_table = list(range(i * 128, (i + 1) * 128))  # 2048 tokens / 16 per block
+        seqs.append(seq)
+    whole, lean = len(pickle.dumps((seqs, False))), len(pickle.dumps((StepBatch.pack(seqs, False),)))
+    print(f"decode step message: {whole / 2**20:.2f} MiB as Sequences, {lean / 2**10:.1f} KiB as a StepBatch")
+    assert lean * 20 < whole and lean < 160 * 2**10
+    views = pickle.loads(pickle.dumps(StepBatch.pack(seqs, False))).sequences()
+    assert [(len(v), v.last_token_id, v.block_table) for v in views] == \
+        [(len(s), s.last_token_id, s.block_table) for s in seqs]
+
+
+def test_prefill_views_match_the_sequences():
+    from torpor.engine.sequence import Sequence
+    from torpor.engine.step_batch import StepBatch
+
+    a = Sequence("a", [5, 6, 7, 8, 9], SamplingParams(prompt_logprobs=2))
+    b = Sequence("b", [1, 2, 3], SamplingParams())
+    b.num_cached_tokens = 2  # its first two tokens are cached (a prefix-cache hit, or a chunk)
+    a.block_table, b.block_table = [3], [4, 7]
+    views = StepBatch.pack([a, b], True).sequences()
+    assert views[0].token_ids == a.token_ids and views[0].prompt_token_ids == a.prompt_token_ids
+    assert views[0].sampling_params.prompt_logprobs == 2 and views[1].sampling_params.prompt_logprobs is None
+    assert views[1].token_ids[2:] == b.token_ids[2:] and len(views[1]) == 3 and views[1].request_id == "b"

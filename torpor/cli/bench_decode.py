@@ -44,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch-size", type=int, default=64, help="throughput: transformers batch size")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--copy-gib", type=float, default=4.0, help="buffer size of the copy-bandwidth test")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs) per engine; the roofline fraction is then per GPU (rank 0's shard)")
+    p.add_argument("--sleep-cycle", action="store_true",
+                   help="batch 1: measure again after a level-1 sleep and a full wake (the sleep's effect on speed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run)
@@ -63,14 +67,19 @@ def run(args: argparse.Namespace) -> int:
     for preset in [m for m in args.models.split(",") if m]:
         row = bench_batch1(checkpoint(preset, cache), device, args, results["copy_gbps"])
         results["batch1"].append({"model": preset, **row})
-        print(f"{preset} batch 1: {row['tokens_per_s']:.1f} tok/s, {row['step_ms']:.2f} ms/step, "
-              f"{row['gbps']:.0f} GB/s = {100 * row['roofline_fraction']:.0f}% of copy bandwidth "
-              f"({row['bytes_per_step'] / GB:.2f} GB/step; gpu only: {row['gpu_step_ms']:.2f} ms, "
-              f"{100 * row['gpu_roofline_fraction']:.0f}%)")
+        gpu = "" if row["gpu_step_ms"] is None else \
+            f"; gpu only: {row['gpu_step_ms']:.2f} ms, {100 * row['gpu_roofline_fraction']:.0f}%"
+        print(f"{preset} batch 1 (TP={args.tensor_parallel_size}): {row['tokens_per_s']:.1f} tok/s, "
+              f"{row['step_ms']:.2f} ms/step, {row['gbps']:.0f} GB/s = {100 * row['roofline_fraction']:.0f}% of "
+              f"copy bandwidth ({row['bytes_per_step'] / GB:.2f} GB/step{gpu})")
+        if "after_sleep_tokens_per_s" in row:
+            print(f"{preset} batch 1 after a level-1 sleep and wake: {row['after_sleep_tokens_per_s']:.1f} tok/s "
+                  f"({100 * (row['after_sleep_tokens_per_s'] / row['tokens_per_s'] - 1):+.1f}%)")
     if args.throughput_model:
         row = bench_throughput(checkpoint(args.throughput_model, cache), device, args)
         results["throughput"] = {"model": args.throughput_model, **row}
-        line = (f"{args.throughput_model} throughput, {args.num_requests} requests: torpor "
+        line = (f"{args.throughput_model} throughput (TP={args.tensor_parallel_size}), {args.num_requests} requests: "
+                f"torpor "
                 f"{row['engine_tokens_per_s']:.0f} tok/s ({row['engine_s']:.1f} s)")
         if row.get("hf_tokens_per_s"):
             line += (f", transformers {row['hf_tokens_per_s']:.0f} tok/s ({row['hf_s']:.1f} s): "
@@ -110,11 +119,34 @@ def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, cop
 
     max_model_len = args.prompt_len + args.decode_tokens + 16
     llm = LLM(str(path), device=str(device), max_model_len=max_model_len, max_num_seqs=1,
-              num_kv_blocks=-(-max_model_len // 16), block_size=16)
+              num_kv_blocks=-(-max_model_len // 16), block_size=16, tensor_parallel_size=args.tensor_parallel_size)
     engine = llm.engine
     prompt = _random_tokens(random.Random(args.seed), args.prompt_len, engine.vocab_size)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True))
+    step_s, num_steps = _decode_step_seconds(engine, prompt, args.decode_tokens, device)
+    # decode step k (1..num_steps) attends over prompt_len + k tokens
+    bytes_per_step = weight_bytes_read(engine) + kv_bytes_per_token(engine) * (args.prompt_len + (num_steps + 1) / 2)
+    row = dict(tokens_per_s=1 / step_s, step_ms=1e3 * step_s, bytes_per_step=bytes_per_step,
+               gbps=bytes_per_step / step_s / GB, roofline_fraction=bytes_per_step / step_s / GB / copy_gbps,
+               gpu_step_ms=None, gpu_roofline_fraction=None, cuda_graphs=_rank0(engine).graphs is not None)
+    if args.tensor_parallel_size == 1:  # a replay on rank 0 alone would wait for the workers' collectives
+        gpu_step_s = _gpu_step_seconds(engine, device)
+        row.update(gpu_step_ms=1e3 * gpu_step_s, gpu_roofline_fraction=bytes_per_step / gpu_step_s / GB / copy_gbps)
+    if args.sleep_cycle:
+        llm.sleep(1)
+        llm.wake_up()
+        row["after_sleep_tokens_per_s"] = 1 / _decode_step_seconds(engine, prompt, args.decode_tokens, device)[0]
+    llm.close()
+    del llm, engine
+    _release(device)
+    return row
+
+
+def _decode_step_seconds(engine, prompt: list[int], num_tokens: int, device: torch.device) -> tuple[float, int]:
+    """Seconds per decode step of one greedy request (the prefill step not counted), and the step count."""
+    from torpor.engine import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
     engine.step()  # the prefill and the first token
     _sync(device)
     start = time.perf_counter()
@@ -123,30 +155,25 @@ def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, cop
         engine.step()
         num_steps += 1
     _sync(device)
-    step_s = (time.perf_counter() - start) / num_steps
-    # decode step k (1..num_steps) attends over prompt_len + k tokens
-    bytes_per_step = weight_bytes_read(engine) + kv_bytes_per_token(engine) * (args.prompt_len + (num_steps + 1) / 2)
-    gpu_step_s = _gpu_step_seconds(engine, device)
-    row = dict(tokens_per_s=1 / step_s, step_ms=1e3 * step_s, bytes_per_step=bytes_per_step,
-               gbps=bytes_per_step / step_s / GB, roofline_fraction=bytes_per_step / step_s / GB / copy_gbps,
-               gpu_step_ms=1e3 * gpu_step_s, gpu_roofline_fraction=bytes_per_step / gpu_step_s / GB / copy_gbps,
-               cuda_graphs=engine.model_runner.graphs is not None)
-    del llm, engine
-    _release(device)
-    return row
+    return (time.perf_counter() - start) / num_steps, num_steps
 
 
 def weight_bytes_read(engine) -> int:
     """Parameter bytes one decode step reads: all of them, except the embedding table when the LM head
     is separate (a step looks up one row of it)."""
-    model = engine.model_runner.model
+    model = _rank0(engine).model  # under tensor parallelism: rank 0's shard
     total = sum(p.nbytes for p in model.parameters())
     embed = model.model.embed_tokens.weight
     return total if model.lm_head is None else total - embed.nbytes + embed[0].nbytes
 
 
+def _rank0(engine):
+    """The engine's ModelRunner (rank 0's under tensor parallelism)."""
+    return getattr(engine.model_runner, "local", engine.model_runner)
+
+
 def kv_bytes_per_token(engine) -> int:
-    kv_cache = engine.model_runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    kv_cache = _rank0(engine).kv_cache  # [layers, 2, blocks, block_size, kv_heads (rank 0's), head_dim]
     return kv_cache.nbytes // (kv_cache.shape[2] * kv_cache.shape[3])
 
 
@@ -189,7 +216,7 @@ def bench_throughput(path: Path, device: torch.device, args: argparse.Namespace)
     max_model_len = max(map(len, prompts)) + max(output_lens)
     llm = LLM(str(path), device=str(device), max_model_len=max_model_len,
               max_num_seqs=min(args.max_num_seqs, args.num_requests),
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:8], params[:8])  # warm-up
     _sync(device)
@@ -201,6 +228,7 @@ def bench_throughput(path: Path, device: torch.device, args: argparse.Namespace)
     assert num_tokens == sum(output_lens), "every request must produce exactly its max_tokens"
     row = dict(output_tokens=num_tokens, engine_s=engine_s, engine_tokens_per_s=num_tokens / engine_s,
                num_kv_blocks=llm.config.num_kv_blocks)
+    llm.close()
     del llm, outputs
     _release(device)
     if not args.no_hf:

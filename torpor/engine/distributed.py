@@ -1,12 +1,17 @@
 """Tensor-parallel state of this process (its rank, the group size) and the few collectives the layers use.
 
-One process per rank; the default process group holds them all (gloo on CPU, NCCL on GPU). Without
-`init_tensor_parallel` the process is rank 0 of 1 and every collective is the identity, so a
-single-device engine never touches torch.distributed.
+One process per rank; the default process group holds them all. On CPU it is gloo and runs the
+collectives. On GPU the collectives go through a `TensorExchange` (a symmetric buffer every rank maps, see
+tensor_exchange.py) and the process group is gloo too, for control only: no NCCL communicator exists, so
+nothing of ~1 GiB per GPU stays while the engine sleeps. `TORPOR_TP_COMM=nccl` uses NCCL instead (its
+memory then stays asleep; for comparisons). Without `init_tensor_parallel` the process is rank 0 of 1 and
+every collective is the identity, so a single-device engine never touches torch.distributed.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import warnings
 from datetime import timedelta
@@ -14,8 +19,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torpor.env import Env
+
 _rank, _size = 0, 1
 _device: torch.device | None = None  # this rank's device while in a group
+_exchange = None  # TensorExchange: the collectives on GPU (None on CPU and with TORPOR_TP_COMM=nccl)
 
 
 def tp_rank() -> int:
@@ -26,24 +34,68 @@ def tp_size() -> int:
     return _size
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float = 120.0) -> None:
-    """Join the group of `size` ranks (rendezvous at `init_method`, e.g. "tcp://127.0.0.1:PORT").
+def rendezvous_store(port: int, size: int, is_rank0: bool, timeout_s: float) -> dist.TCPStore:
+    """The ranks' meeting point on this host: rank 0 hosts it (`port` 0 picks a free port, read back from
+    `.port`) and returns at once; the workers connect to rank 0's port."""
+    return dist.TCPStore("127.0.0.1", port, size, is_rank0, timedelta(seconds=timeout_s), wait_for_workers=False)
 
-    On CUDA the rank's device becomes this thread's current device first, so neither NCCL nor PyTorch
-    ever makes a context on another device (cuda:0 by default), and the communicator is created now
-    (`device_id`: eager init), before any memory tag scope and before any CUDA graph capture."""
-    global _rank, _size, _device
-    backend = "nccl" if device.type == "cuda" else "gloo"
+
+def check_in(store: dist.TCPStore, rank: int) -> None:
+    """A worker: tell rank 0 this process started and reached the store (see `checked_in`)."""
+    store.set(f"torpor/up/{rank}", "1")
+
+
+def checked_in(store: dist.TCPStore, ranks: range) -> bool:
+    """Rank 0: whether every worker of `ranks` has checked in."""
+    return store.check([f"torpor/up/{rank}" for rank in ranks])
+
+
+def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.device,
+                         timeout_s: float = 120.0) -> None:
+    """Join the group of `size` ranks that meet at `store` (see `rendezvous_store`).
+
+    On CUDA the rank's device becomes this thread's current device first, so nothing ever makes a context
+    on another device (cuda:0 by default), and the exchange buffer (or NCCL's communicator: `device_id`,
+    eager init) is made now, before any memory tag scope and before any CUDA graph capture."""
+    global _rank, _size, _device, _exchange
+    nccl = device.type == "cuda" and Env.read().tp_comm == "nccl"
     kwargs = {}
     if device.type == "cuda":
         if device.index is None:
             raise ValueError(f"tensor parallelism needs an indexed CUDA device (cuda:N), got {device}")
         torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+        if nccl:
+            kwargs["device_id"] = device
+    dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     _rank, _size, _device = rank, size, device
+    if device.type == "cuda" and not nccl:
+        from torpor.engine.symmetric_memory import SymmetricMemory
+        from torpor.engine.tensor_exchange import TensorExchange
+
+        if rank == 0:
+            store.set("torpor/group_key", f"{os.getpid()}-{secrets.token_hex(4)}")
+        key = store.get("torpor/group_key").decode()
+        _exchange = TensorExchange(SymmetricMemory(rank, size, device, key, dist.barrier,
+                                                   timeout_s=min(60.0, timeout_s)))
+
+
+def release_exchange() -> None:
+    """Give the exchange buffer's device memory back (every rank, when the engine sleeps; the device idle)."""
+    if _exchange is not None:
+        _exchange.buffer.unmap()
+
+
+def restore_exchange() -> None:
+    """Map the exchange buffer again at the same addresses (every rank at once, when the engine wakes)."""
+    if _exchange is not None:
+        _exchange.buffer.map()
+
+
+def check_exchange() -> None:
+    """Raise if a collective of the exchange gave up waiting for a peer (call after a step)."""
+    if _exchange is not None and _exchange.buffer.is_mapped:
+        _exchange.check()
 
 
 def shutdown_tensor_parallel(healthy: bool = True, timeout_s: float = 60.0) -> bool:
@@ -54,9 +106,12 @@ def shutdown_tensor_parallel(healthy: bool = True, timeout_s: float = 60.0) -> b
     even abort) is an intra-node collective: a rank leaving alone waits for the others. So the ranks
     meet in a barrier first (every backend, so gloo on CPU checks the same protocol), then destroy.
     Not healthy (a rank died or hangs): no barrier; NCCL's communicator is aborted instead."""
-    global _rank, _size, _device
+    global _rank, _size, _device, _exchange
     device = _device if _device is not None and _device.type == "cuda" else None
     _rank, _size, _device = 0, 1, None
+    if _exchange is not None:  # local: a peer may be gone
+        _exchange.buffer.close()
+        _exchange = None
     if not dist.is_initialized():
         return True
     nccl = dist.get_backend() == "nccl"
@@ -116,7 +171,10 @@ def _bounded(fn, timeout_s: float) -> bool:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the ranks, in place (the partial outputs of row-parallel layers)."""
     if _size > 1:
-        dist.all_reduce(x)
+        if _exchange is not None:
+            _exchange.all_reduce(x)
+        else:
+            dist.all_reduce(x)
     return x
 
 
@@ -124,6 +182,8 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """[..., n] on every rank -> [..., n * size], rank order (vocab-sharded logits)."""
     if _size == 1:
         return x
+    if _exchange is not None:
+        return _exchange.gather_last_dim(x)
     parts = [torch.empty_like(x) for _ in range(_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
@@ -135,7 +195,8 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     control travels through rank 0's pipes, never through the process group)."""
     if _size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    on_device = dist.get_backend() == "nccl"  # gloo reduces host tensors
+    t = torch.tensor([value], dtype=torch.int64, device=device if on_device else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
@@ -143,7 +204,10 @@ def min_over_ranks(value: int, device: torch.device) -> int:
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     """`x` of rank 0 into `x` of every rank (same shape and dtype everywhere), in place."""
     if _size > 1:
-        dist.broadcast(x, src=0)
+        if _exchange is not None:
+            _exchange.broadcast(x)
+        else:
+            dist.broadcast(x, src=0)
     return x
 
 

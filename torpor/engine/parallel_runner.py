@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from torpor.engine.config import EngineConfig
-from torpor.engine.distributed import check_divisible
+from torpor.engine.distributed import check_divisible, check_exchange
 from torpor.engine.model_runner import ModelRunner
 from torpor.engine.models import ModelConfig
 from torpor.engine.sampler import SamplerOutput
 from torpor.engine.sequence import Sequence
-from torpor.engine.worker import rank_info
+from torpor.engine.step_batch import StepBatch
+from torpor.engine.worker import rank_info, sleep_rank, wake_rank
 from torpor.engine.worker_group import RankError, WorkerGroup, end_tensors, send_tensors
 
 STEP_FAILURE_WAIT_S = 10.0  # a step failed on rank 0: how long the workers may take to answer it
@@ -79,7 +80,12 @@ class ParallelModelRunner:
         """One step on every rank. A step that fails on any rank leaves the engine unusable (the ranks'
         collectives may be out of step): a worker exits after replying its error; a failure here waits
         STEP_FAILURE_WAIT_S for the workers, then gives them up."""
-        return self._everywhere("run", (seqs, is_prefill), lambda: self.local.run(seqs, is_prefill),
+        def local() -> SamplerOutput:
+            output = self.local.run(seqs, is_prefill)
+            check_exchange()
+            return output
+
+        return self._everywhere("run", (StepBatch.pack(seqs, is_prefill),), local,
                                 failed_here_wait_s=STEP_FAILURE_WAIT_S)
 
     def reload_weights(self, path: str) -> None:
@@ -125,7 +131,7 @@ class ParallelMemory:
 
     def sleep(self, actions: Mapping[str, str]):
         awake_before = [t for t in actions if not self.local.is_sleeping(t)]
-        report, errors = self.runner.on_all_ranks("sleep", (actions,), lambda: self.local.sleep(actions))
+        report, errors = self.runner.on_all_ranks("sleep", (actions,), lambda: sleep_rank(self.local, actions))
         if errors:
             self._roll_back(awake_before, actions)
             first = min(errors)
@@ -135,14 +141,14 @@ class ParallelMemory:
     def _roll_back(self, tags: list[str], actions: Mapping[str, str]) -> None:
         """Wake what the failed sleep put to sleep (ranks where it failed left everything awake); weights
         it discarded come back from the checkpoint."""
-        self.runner.on_all_ranks("wake", (tags,), lambda: self.local.wake(tags))
+        self.runner.on_all_ranks("wake", (tags,), lambda: wake_rank(self.local, tags))
         if "weights" in tags and str(actions["weights"]) == "discard":
             self.runner.reload_weights(self.runner.config.model)
 
     def wake(self, tags=None):
         """Wake on every rank. A failure raises (retry: tags already awake are skipped)."""
         tags = None if tags is None else list(tags)
-        report, errors = self.runner.on_all_ranks("wake", (tags,), lambda: self.local.wake(tags))
+        report, errors = self.runner.on_all_ranks("wake", (tags,), lambda: wake_rank(self.local, tags))
         if errors:
             first = min(errors)
             raise errors[first] if first else RankError(0, errors[0])

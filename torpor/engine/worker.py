@@ -27,7 +27,12 @@ import torch
 from torpor.engine.config import EngineConfig
 from torpor.engine.distributed import (
     broadcast_from_rank0,
+    check_exchange,
+    check_in,
     init_tensor_parallel,
+    release_exchange,
+    rendezvous_store,
+    restore_exchange,
     shutdown_tensor_parallel,
     tp_rank,
 )
@@ -58,7 +63,7 @@ def rank_info(runner, memory) -> dict:
 
 
 # ---- the worker process ------------------------------------------------------------------------
-def worker_main(rank: int, size: int, config: EngineConfig, init_method: str, memory_options: dict | None,
+def worker_main(rank: int, size: int, config: EngineConfig, store_port: int, memory_options: dict | None,
                 conn) -> None:
     """Entry point of rank `rank` (a spawned process): start up, then serve rank 0's commands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
@@ -69,7 +74,9 @@ def worker_main(rank: int, size: int, config: EngineConfig, init_method: str, me
     try:
         from torpor.engine.model_runner import ModelRunner
 
-        init_tensor_parallel(rank, size, init_method, torch.device(config.device), config.tp_timeout_s)
+        store = rendezvous_store(store_port, size, False, config.tp_timeout_s)
+        check_in(store, rank)
+        init_tensor_parallel(rank, size, store, torch.device(config.device), config.tp_timeout_s)
         memory = None
         if memory_options is not None:
             from torpor.memory import MemoryManager
@@ -132,16 +139,16 @@ def _serve(runner, memory, conn) -> str:
 
 def _handle(runner, memory, conn, command: str, args: tuple):
     if command == "run":
+        (batch,) = args  # a StepBatch
         with torch.inference_mode():
-            runner.compute_logits(*args)  # rank 0 samples from the gathered logits
+            runner.compute_logits(batch.sequences(), batch.is_prefill)  # rank 0 samples from the gathered logits
+        check_exchange()
         return None
     if command == "sleep":
-        memory.sleep(*args)
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()
+        sleep_rank(memory, *args)
         return None
     if command == "wake":
-        memory.wake(*args)
+        wake_rank(memory, *args)
         return None
     if command == "reload_weights":
         return runner.reload_weights(*args)
@@ -156,6 +163,23 @@ def _handle(runner, memory, conn, command: str, args: tuple):
     if command == "info":
         return rank_info(runner, memory)
     raise ValueError(f"unknown worker command {command!r}")
+
+
+def sleep_rank(memory, actions):
+    """One rank's part of a sleep: the exchange buffer first (every rank releases it, whatever happens next:
+    a failed sleep is rolled back by a wake on every rank, which maps it again everywhere), then the tags."""
+    if actions:
+        release_exchange()
+    report = memory.sleep(actions)
+    if memory.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
+def wake_rank(memory, tags):
+    """One rank's part of a wake: the exchange buffer (a collective with the other ranks), then the tags."""
+    restore_exchange()
+    return memory.wake(tags)
 
 
 def _reply_error(conn, error: BaseException) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 import weakref
@@ -18,7 +17,9 @@ from torpor.engine.config import EngineConfig
 from torpor.engine.distributed import (
     abort_if_nccl,
     broadcast_from_rank0,
+    checked_in,
     init_tensor_parallel,
+    rendezvous_store,
     shutdown_tensor_parallel,
 )
 from torpor.engine.worker import TEARDOWN_TIMEOUT_S, rank_config, worker_main
@@ -76,7 +77,7 @@ class WorkerGroup:
                                "close() it first; one tensor-parallel engine per process")
         check_devices(config)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists; workers inherit it
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        store = rendezvous_store(0, self.size, True, self.timeout_s)
         ctx = mp.get_context("spawn")
         self.processes, self.conns = [], []
         self._state: dict = {"broken": None, "closing": False, "aborted": False}  # shared: finalizer, watch
@@ -86,17 +87,37 @@ class WorkerGroup:
                 parent, child = ctx.Pipe()
                 options = None if memory_options is None else dict(memory_options.get(rank, {}))
                 process = ctx.Process(target=worker_main, name=f"torpor-tp-rank{rank}", daemon=True,
-                                      args=(rank, self.size, rank_config(config, rank), init_method, options, child))
+                                      args=(rank, self.size, rank_config(config, rank), store.port, options, child))
                 process.start()
                 child.close()
                 self.processes.append(process)
                 self.conns.append(parent)
-            init_tensor_parallel(0, self.size, init_method, torch.device(config.device), self.timeout_s)
+            self._wait_for_check_in(store)
+            init_tensor_parallel(0, self.size, store, torch.device(config.device), self.timeout_s)
         except BaseException:
             self.close(healthy=False)
             raise
         threading.Thread(target=_watch_workers, args=(self.processes, self._state), name="torpor-tp-watch",
                          daemon=True).start()
+
+    def _wait_for_check_in(self, store) -> None:
+        """Wait until every worker reached the store; a worker that exits first fails start-up at once
+        (not after the rendezvous timeout), with its exit code and the likely cause."""
+        deadline = time.monotonic() + self.timeout_s
+        while not checked_in(store, range(1, self.size)):
+            for rank, process in enumerate(self.processes, start=1):
+                if not process.is_alive():
+                    reported = self.early_errors(wait_s=0.0)  # a worker that failed in worker_main said why
+                    if reported:
+                        raise reported[min(reported)]
+                    raise WorkerDiedError(
+                        f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} "
+                        f"while starting, before joining the process group. Workers are started with the "
+                        f"'spawn' method, which re-imports your main module: if your script creates the LLM at "
+                        f"its top level, wrap that code in `if __name__ == \"__main__\":`")
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"the tensor-parallel workers did not start within {self.timeout_s:.0f} s")
+            time.sleep(0.05)
 
     @property
     def broken(self) -> str | None:
@@ -219,8 +240,3 @@ def _shutdown(processes, conns, state: dict) -> None:
     if state["broken"] is None:
         state["broken"] = "it was closed"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
