@@ -224,6 +224,37 @@ class LLMEngine:
                 finished.append(RequestOutput.from_sequence(seq, text.final(seq.output_token_ids)))
         return finished
 
+    def release_tags(self, tags: Iterable[str], running: str = "wait") -> Report | None:
+        """Release only `tags`, each with its level-1 action (SGLang's `release_memory_occupation`):
+        the engine pauses as at level 1 and a `wake_up` naming them (or all) restores them. Tags that
+        do not exist on this device or already sleep are skipped; None when nothing is released."""
+        from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
+
+        mode = self._sleep_mode()
+        tags = list(tags)
+        unknown = sorted(set(tags) - set(SLEEP_TAGS))
+        if unknown:
+            raise ValueError(f"unknown tag(s) {unknown}; the engine's tags are {list(SLEEP_TAGS)}")
+        if running not in ("wait", "abort"):
+            raise ValueError(f"running must be 'wait' or 'abort', got {running!r}")
+        plan = {t: LEVELS[1][t] for t in mode.tags if t in tags and not self.memory.is_sleeping(t)}
+        if not plan:
+            return None
+        if mode.level in (None, 0):
+            self._settle_running(running)
+        try:
+            report = self.memory.sleep(plan)
+        except BaseException:  # nothing was released: back to serving, or to the level-0 pause
+            if mode.level is None:
+                self.scheduler.resume()
+            else:
+                self.scheduler.pause()
+            raise
+        self.scheduler.pause()
+        if mode.level in (None, 0):
+            mode.after_sleep(1)
+        return report
+
 
 class _Text:
     """The output text of one request, grown token by token, cut before the first stop string."""

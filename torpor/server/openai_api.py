@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +15,8 @@ from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 from torpor.server.async_engine import RequestStream
 from torpor.server.auth import require_api_key
-from torpor.server.errors import APIError, engine_error
+from torpor.server.control import weights_discarded
+from torpor.server.errors import APIError, engine_error, json_text
 from torpor.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -78,6 +78,7 @@ def _check_request(server: ServerState, body: GenerationRequest) -> None:
     if body.model is not None and body.model != server.config.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                             f"{server.config.model_name!r}", param="model", code="model_not_found")
+    body.check_known_fields()
     body.check_supported()
 
 
@@ -132,8 +133,12 @@ async def _wait_if_asleep(request: Request, server: ServerState) -> None:
     if timeout is None or server.engine.serving:
         return
     if not await server.engine.wait_until_serving(timeout):
-        raise APIError(503, f"the engine is asleep (or its weights await reload_weights) and did not serve "
-                            f"within {timeout:g} s; retry after a wake_up", code="engine_asleep")
+        if not server.engine.sleeping and weights_discarded(server.engine):
+            raise APIError(503, f"the engine is awake but its weights were discarded by a level-2 sleep and not "
+                                f"restored within {timeout:g} s: POST /reload_weights (or push new weights) first",
+                           code="weights_discarded")
+        raise APIError(503, f"the engine is asleep and did not serve within {timeout:g} s; retry after a "
+                            f"wake_up", code="engine_asleep")
 
 
 async def _unless_disconnected(request: Request, awaitable):
@@ -187,4 +192,4 @@ async def _stream_events(stream: RequestStream, fmt: ResponseFormat, params: Sam
 
 
 def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json_text(data)}\n\n"  # strict JSON, as every response
