@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from torpor.engine.sleep_mode import SLEEP_TAGS
 from torpor.server.auth import require_admin
-from torpor.server.errors import APIError, engine_error
+from torpor.server.errors import APIError, engine_error, is_safetensors_error
 
 if TYPE_CHECKING:
     from torpor.memory import Report
@@ -166,10 +166,11 @@ async def _reload(server: ServerState, path: str | None = None) -> dict:
         await server.engine.reload_weights(checkpoint)
     except OSError:  # missing, not a folder, unreadable: one answer, so nothing is learnt about the disk
         raise APIError(400, NO_CHECKPOINT, param="path", code="invalid_checkpoint") from None
-    except ValueError as exc:  # the loader's CheckpointError: a bad file, shape, dtype, index
-        raise APIError(400, f"the checkpoint cannot be loaded: {exc}", param="path", code="invalid_checkpoint") \
-            from None
     except Exception as exc:
+        # the loader's CheckpointError (a ValueError: bad file, shape, dtype, index), or safetensors' own
+        if isinstance(exc, ValueError) or is_safetensors_error(exc):
+            raise APIError(400, f"the checkpoint cannot be loaded: {exc}", param="path",
+                           code="invalid_checkpoint") from None
         raise engine_error(exc) from None
     return {**_state(server), "seconds": time.perf_counter() - start}
 

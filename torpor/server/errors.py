@@ -88,7 +88,7 @@ def engine_error(exc: BaseException) -> APIError:
         return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ValueError | TypeError | FileNotFoundError):
         return APIError(400, str(exc))
-    if _is_safetensors_error(exc):  # a bad checkpoint file is the client's (11.6)
+    if is_safetensors_error(exc):  # a bad checkpoint file is the client's (11.6)
         return APIError(400, f"the checkpoint is not valid safetensors: {exc}", code="invalid_checkpoint")
     if isinstance(exc, RuntimeError) and not isinstance(exc, TorporMemoryError):
         return APIError(409, str(exc))
@@ -133,7 +133,8 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
 
 
-def _is_safetensors_error(exc: BaseException) -> bool:
+def is_safetensors_error(exc: BaseException) -> bool:
+    """Whether `exc` is safetensors' error for a file it cannot parse (truncated, garbage header)."""
     try:
         from safetensors import SafetensorError
     except ImportError:  # older safetensors: the Rust error type is not exported
