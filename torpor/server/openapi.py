@@ -27,8 +27,11 @@ ERROR_STATUSES = {
     "503": "the engine is asleep past the asleep timeout, or its weights await reload_weights, or it stopped",
 }
 STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
-EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: "
-                                                "`data: {chunk}` lines, then `data: [DONE]`"}}}
+# One server-sent event (the schema applies to each): `data` is a JSON chunk, the last one `[DONE]`.
+EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "description": "one event of the stream (with \"stream\": true): "
+    "`data: {chunk}` per step, an error object if the engine fails, then `data: [DONE]`",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}}}
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
