@@ -173,6 +173,8 @@ def test_non_finite_logprobs_are_valid_json(server):
 @pytest.mark.parametrize(("path", "extra", "param"), [
     ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"max_token": 5}, "max_token"),
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
@@ -217,6 +219,10 @@ def test_release_memory_occupation_releases_only_the_named_tags(server):
 def test_loose_types_are_refused(server):
     assert error_of(server.http.post("/v1/completions", json={**PROMPT, "prompt": [True, False]}), 400)["param"] \
         .startswith("prompt")
+    for field, value in [("max_tokens", True), ("logprobs", True), ("temperature", "0.5"), ("stream", 1)]:
+        assert error_of(server.http.post("/v1/completions", json={**PROMPT, field: value}), 400)["param"] == field
+    assert error_of(server.http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": False}),
+                    400)["param"] == "max_completion_tokens"
     error = error_of(server.admin.post("/collective_rpc", json={"method": "sleep", "args": [True]}), 400)
     assert error["param"] == "args.0" and "level" in error["message"]
     error = error_of(server.admin.post("/collective_rpc", json={"method": "sleep", "kwargs": {"level": True}}), 400)

@@ -8,9 +8,10 @@ Every option is honoured or refused with a 400 naming it (`code: "unsupported_pa
   (`max_token`) — unless its value is null (no behaviour asked for) or it is on the allowlist of
   OpenAI fields that carry no semantics for a self-hosted engine: `IGNORED_FIELDS` (`user`, `metadata`,
   `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls`).
-`top_k`, `ignore_eos` and `stop_token_ids` are accepted as extras, as vLLM does. Types are strict
-where a lax cast would change the meaning (`prompt: [true, false]` is not the tokens [1, 0]), and
-text must be valid Unicode (a lone surrogate is a 400, not a tokenizer error).
+`top_k`, `ignore_eos` and `stop_token_ids` are accepted as extras, as vLLM does. Types are strict:
+no lax cast changes a meaning (`prompt: [true, false]` is not the tokens [1, 0], `max_tokens: true`
+not 1, `"0.5"` not a number), and text must be valid Unicode (a lone surrogate is a 400, not a
+tokenizer error).
 """
 
 from __future__ import annotations
@@ -68,13 +69,16 @@ def invalid_unicode(value: Any, where: str = "") -> tuple[str, str] | None:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="allow")  # kept in model_extra: `check_known_fields` refuses them
+    # strict: no lax casts (true is not 1, "0.5" not 0.5; an int is still a valid float); unknown fields are
+    # kept in model_extra, where `check_known_fields` refuses them
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -169,13 +173,13 @@ class CompletionRequest(GenerationRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
 
