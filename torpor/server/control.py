@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from torpor.engine.sleep_mode import SLEEP_TAGS
 from torpor.server.auth import require_admin
@@ -188,19 +188,19 @@ RPC_METHODS = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is
 
 
 class _SleepArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    level: StrictInt = 1
-    mode: StrictStr = "wait"
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: true is not the level 1
+    level: int = 1
+    mode: str = "wait"
 
 
 class _WakeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    tags: list[StrictStr] | None = None
+    tags: list[str] | None = None
 
 
 class _ReloadArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    path: StrictStr | None = None
+    path: str | None = None
 
 
 class _NoArgs(BaseModel):
@@ -242,7 +242,7 @@ def _rpc_arguments(body: RPCRequest) -> dict[str, Any]:
 def _describe(signature: type[BaseModel]) -> str:
     parts = []
     for name, field in signature.model_fields.items():
-        annotation = inspect.formatannotation(field.annotation).replace("Strict", "").lower()
+        annotation = inspect.formatannotation(field.annotation)
         parts.append(f"{name}: {annotation} = {field.default!r}")
     return ", ".join(parts)
 
