@@ -130,7 +130,9 @@ def validation_error(errors: list[dict]) -> APIError:
                         code="missing_body")
     if first.get("type") == "missing":
         return APIError(400, f"missing required field {param!r}", param=param)
-    return APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+    message = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own message
+    return APIError(400, message if param and message.startswith(param) else
+                    f"{param}: {message}" if param else message, param=param)
 
 
 def is_safetensors_error(exc: BaseException) -> bool:

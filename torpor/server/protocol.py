@@ -16,9 +16,10 @@ tokenizer error).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from torpor.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from torpor.server.errors import APIError
@@ -147,6 +148,20 @@ class GenerationRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: true is not token 1
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """One clear message for a prompt of none of the four shapes (not one per union member)."""
+        def token_ids(value: Any) -> bool:
+            return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+        if isinstance(prompt, str) or token_ids(prompt):
+            return prompt
+        if isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) or all(map(token_ids, prompt))):
+            return prompt
+        raise ValueError("prompt must be a string, a list of token ids (integers: true and false are not token "
+                         f"ids), or a list of those; got {json.dumps(prompt)[:80]}")
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
