@@ -67,6 +67,12 @@ def greedy(server) -> dict:
     return response.json()["choices"][0]
 
 
+def sleeps(server) -> dict[str, float]:
+    """torpor_sleeps_total by level."""
+    return {s.labels["level"]: s.value for f in text_string_to_metric_families(server.http.get("/metrics").text)
+            for s in f.samples if s.name == "torpor_sleeps_total"}
+
+
 def copy_checkpoint(weights_root: Path, name: str) -> Path:
     folder = weights_root / name
     shutil.rmtree(folder, ignore_errors=True)
@@ -198,7 +204,7 @@ def test_harmless_and_null_fields_are_accepted(server):
 
 # ---- 11.10: SGLang's per-tag release -------------------------------------------------------------
 def test_release_memory_occupation_releases_only_the_named_tags(server):
-    before = greedy(server)
+    before, slept = greedy(server), sleeps(server).get("1", 0)
     released = server.admin.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).json()
     assert released["success"] and released["released"] == ["kv_cache"] and not released["serving"]
     tags = server.admin.get("/memory").json()["tags"]
@@ -207,6 +213,7 @@ def test_release_memory_occupation_releases_only_the_named_tags(server):
     released = server.admin.post("/release_memory_occupation", json={"tags": ["weights", "cuda_graph"]}).json()
     assert released["released"] == ["weights"]  # no cuda_graph tag on CPU; kv_cache already released
     assert server.admin.get("/memory").json()["tags"]["weights"]["state"] == "asleep"
+    assert sleeps(server)["1"] == slept + 1  # the first release slept the engine, the second changed no level
     resumed = server.admin.post("/resume_memory_occupation", json={"tags": ["weights"]}).json()
     assert resumed["woken"] == ["weights"] and not resumed["serving"]
     assert server.admin.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()["serving"]
@@ -293,14 +300,10 @@ def test_chat_logprob_bytes_are_the_raw_bytes(server):
 
 
 def test_sleeps_total_counts_only_level_changes(server):
-    def sleeps() -> dict:
-        return {s.labels["level"]: s.value for f in text_string_to_metric_families(server.http.get("/metrics").text)
-                for s in f.samples if s.name == "torpor_sleeps_total"}
-
-    before = sleeps()
+    before = sleeps(server)
     for level in (1, 1, 0, 2, 2, 1):  # changes: 1 and 2 only
         server.admin.post("/sleep", params={"level": level}).raise_for_status()
-    after = sleeps()
+    after = sleeps(server)
     grown = {level: after.get(level, 0) - before.get(level, 0) for level in after}
     assert grown == {"1": 1, "2": 1, **({"0": 0} if "0" in after else {})}
 

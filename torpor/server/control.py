@@ -134,7 +134,8 @@ async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dic
         raise APIError(400, f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}",
                        param="mode")
     start = time.perf_counter()
-    report, changed = await _run(server.engine.call(_sleep_noting_change, server.engine.engine, level, mode))
+    engine = server.engine.engine
+    report, changed = await _run(server.engine.call(_noting_level_change, engine, engine.sleep, level, mode))
     seconds = time.perf_counter() - start
     if changed:  # a no-op sleep (same or shallower level) is not counted
         server.metrics.sleeps.labels(str(level)).inc()
@@ -144,9 +145,14 @@ async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dic
 
 async def _release(server: ServerState, tags: list[str]) -> dict:
     start = time.perf_counter()
-    report = await _run(server.engine.call(server.engine.engine.release_tags, tags, "wait"))
+    engine = server.engine.engine
+    report, changed = await _run(server.engine.call(_noting_level_change, engine, engine.release_tags, tags, "wait"))
+    seconds = time.perf_counter() - start
+    if changed:  # from awake (or level 0) to level 1
+        server.metrics.sleeps.labels("1").inc()
+        server.metrics.sleep_seconds.observe(seconds)
     return {"level": 1, "released": [t.tag for t in report.tags] if report is not None else [], **_state(server),
-            "seconds": time.perf_counter() - start, "report": _report(report)}
+            "seconds": seconds, "report": _report(report)}
 
 
 async def _wake(server: ServerState, tags: list[str] | None = None) -> dict:
@@ -268,10 +274,10 @@ def allowed_checkpoint_path(path: str, allowed_dir: Path) -> str:
     return str(resolved)
 
 
-def _sleep_noting_change(engine, level: int, mode: str) -> tuple[Report | None, bool]:
-    """Engine thread: `engine.sleep(level, mode)` and whether it changed the sleep level."""
+def _noting_level_change(engine, operation, *args) -> tuple[Report | None, bool]:
+    """Engine thread: `operation(*args)` (a sleep) and whether it changed the engine's sleep level."""
     before = engine.sleep_mode.level if engine.sleep_mode is not None else None
-    report = engine.sleep(level, mode)
+    report = operation(*args)
     return report, engine.sleep_mode.level != before
 
 
