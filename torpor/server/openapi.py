@@ -27,6 +27,42 @@ ERROR_STATUSES = {
     "503": "the engine is asleep past the asleep timeout, or its weights await reload_weights, or it stopped",
 }
 STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _object(required: dict[str, Any], **optional: Any) -> dict[str, Any]:
+    """A JSON object schema: `required` properties, `optional` ones, others allowed."""
+    return {"type": "object", "required": list(required), "properties": {**required, **optional}}
+
+
+BOOL, NUMBER, STRING, INT = {"type": "boolean"}, {"type": "number"}, {"type": "string"}, {"type": "integer"}
+NULLABLE_INT = {"anyOf": [INT, {"type": "null"}]}
+REPORT = {"anyOf": [_object({"kind": STRING, "seconds": NUMBER, "bytes_copied": INT, "bytes_released": INT,
+                             "bytes_mapped": INT, "tags": {"type": "array"}}), {"type": "null"}]}
+STATE = {"is_sleeping": BOOL, "serving": BOOL}
+CHOICES = {"type": "array", "items": _object({"index": INT, "finish_reason": {"anyOf": [STRING, {"type": "null"}]},
+                                              "logprobs": {"anyOf": [{"type": "object"}, {"type": "null"}]}})}
+USAGE = _object({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
+COMPLETION = _object({"id": STRING, "object": STRING, "created": INT, "model": STRING, "choices": CHOICES,
+                      "usage": USAGE})
+# The JSON body of each operation's 200 (the routes return plain dicts: this is their contract).
+OK_SCHEMAS = {
+    "/v1/models": _object({"object": STRING, "data": {"type": "array", "items": _object(
+        {"id": STRING, "object": STRING, "created": INT, "owned_by": STRING, "max_model_len": INT})}}),
+    "/v1/completions": COMPLETION,
+    "/v1/chat/completions": COMPLETION,
+    "/health": _object({"status": STRING}, is_sleeping=BOOL, serving=BOOL),
+    "/is_sleeping": _object({"is_sleeping": BOOL}),
+    "/sleep": _object({"level": INT, **STATE, "seconds": NUMBER, "report": REPORT}),
+    "/wake_up": _object({"woken": {"type": "array", "items": STRING}, **STATE, "seconds": NUMBER, "report": REPORT}),
+    "/reload_weights": _object({**STATE, "seconds": NUMBER}),
+    "/memory": _object({"level": NULLABLE_INT, "device_used_bytes": NULLABLE_INT, "weights_discarded": BOOL,
+                        "tags": {"type": "object"}}),
+    "/collective_rpc": _object({"results": {"type": "array", "minItems": 1, "maxItems": 1}}),
+    "/release_memory_occupation": _object({"success": BOOL, "level": INT, **STATE, "seconds": NUMBER,
+                                           "report": REPORT}, released={"type": "array", "items": STRING}),
+    "/resume_memory_occupation": _object({"success": BOOL, "woken": {"type": "array", "items": STRING}, **STATE,
+                                          "seconds": NUMBER, "report": REPORT}),
+}
 # One server-sent event (the schema applies to each): `data` is a JSON chunk, the last one `[DONE]`.
 EVENT_STREAM = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "one event of the stream (with \"stream\": true): "
@@ -54,6 +90,11 @@ def _correct(path: str, operation: dict) -> None:
     for status, description in ERROR_STATUSES.items():
         responses.setdefault(status, {"description": description, **error})
     ok = responses.setdefault("200", {"description": "Successful Response"})
+    if path in OK_SCHEMAS:
+        ok["content"] = {"application/json": {"schema": OK_SCHEMAS[path]}}
+    if path == "/health":
+        responses["503"] = {"description": "the engine thread has stopped",
+                            "content": {"application/json": {"schema": _object({"status": STRING})}}}
     if path in STREAMING_PATHS:
         ok.setdefault("content", {}).update(EVENT_STREAM)
     elif path == "/metrics":
