@@ -284,7 +284,7 @@ def test_rpc_and_memory_occupation_aliases(server):
     assert choice_of(complete(server)) == before
     assert "sleep" in error_of(server.admin.post("/collective_rpc", json={"method": "rm -rf"}), 400)["message"]
     assert error_of(server.admin.post("/collective_rpc", json={"method": "sleep", "kwargs": {"depth": 3}}),
-                    400)["param"] == "kwargs"
+                    400)["param"] == "kwargs.depth"
     assert error_of(server.admin.post("/release_memory_occupation", json={"tags": ["gpu"]}), 400)["param"] == "tags"
     assert "level" in error_of(server.admin.post("/sleep", params={"level": 7}), 400)["message"]
     assert error_of(server.admin.post("/sleep", params={"mode": "later"}), 400)["param"] == "mode"
@@ -416,7 +416,14 @@ def test_api_key(locked):
         openai.OpenAI(base_url=f"{locked.url}/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=f"{locked.url}/v1", api_key=API_KEY, max_retries=0)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
-    assert locked.http.get("/health").status_code == 200 and locked.http.get("/metrics").status_code == 200
+    assert locked.http.get("/health").status_code == 200 and locked.http.get("/is_sleeping").status_code == 200
+    # the metrics and the API's description are behind the key too (Prometheus sends a bearer token)
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ("/metrics", "/openapi.json", "/docs", "/redoc"):
+        assert error_of(locked.http.get(path), 401)["code"] == "invalid_api_key", path
+        assert locked.http.get(path, headers=key).status_code == 200, path
+    assert "torpor_http_requests_total" in locked.http.get("/metrics", headers=key).text
+    assert "/v1/completions" in locked.http.get("/openapi.json", headers=key).json()["paths"]
     # this checkpoint has no chat template
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])

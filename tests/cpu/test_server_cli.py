@@ -24,7 +24,7 @@ def test_help_explains_every_option(capsys):
     assert exited.value.code == 0
     text = capsys.readouterr().out
     for option in ("--host", "--port", "--device", "--dtype", "--max-model-len", "--max-num-seqs",
-                   "--tensor-parallel-size", "--admin-token",
+                   "--tensor-parallel-size", "--admin-token", "--allowed-weights-dir",
                    "--api-key", "--max-body-bytes", "--max-tokens-cap", "--asleep-timeout", "TORPOR_ADMIN_TOKEN",
                    "/sleep", "/wake_up", "exit codes"):
         assert option in text, option
@@ -67,10 +67,10 @@ def stop_server(process: subprocess.Popen) -> str:
 
 
 @pytest.mark.slow  # a subprocess
-def test_serve_runs_and_stops_cleanly_on_sigterm(tiny_model_path):
+def test_serve_runs_and_stops_cleanly_on_sigterm(tiny_model_path, tmp_path):
     env = {**os.environ, "TORPOR_ADMIN_TOKEN": "from-env", "TORPOR_API_KEY": ""}
     argv = [tiny_model_path, "--device", "cpu", "--port", "0", "--max-model-len", "64", "--max-num-seqs", "4",
-            "--served-model-name", "tiny", "--log-level", "warning"]
+            "--served-model-name", "tiny", "--log-level", "warning", "--allowed-weights-dir", str(tmp_path)]
     process, url, lines = start_server(argv, env)
     try:
         assert any("loading" in line for line in lines) and any("engine ready" in line for line in lines)
@@ -79,7 +79,11 @@ def test_serve_runs_and_stops_cleanly_on_sigterm(tiny_model_path):
             assert http.get("/health").json()["status"] == "ok"
             answer = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
             assert answer.json()["usage"]["completion_tokens"] >= 1
-            slept = http.post("/sleep", params={"level": 1}, headers={"Authorization": "Bearer from-env"})
+            admin = {"Authorization": "Bearer from-env"}
+            outside = http.post("/reload_weights", json={"path": tiny_model_path}, headers=admin)  # not in tmp_path
+            assert outside.status_code == 403 and outside.json()["error"]["code"] == "path_not_allowed"
+            assert http.post("/reload_weights", headers=admin).json()["serving"]  # the served model: always
+            slept = http.post("/sleep", params={"level": 1}, headers=admin)
             assert slept.json()["is_sleeping"] is True
         assert "stopped" in stop_server(process)
     finally:

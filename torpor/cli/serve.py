@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           help="larger request bodies get 413 (default: 1 MiB)")
     security.add_argument("--max-tokens-cap", type=positive_int, default=None,
                           help="larger max_tokens get 400 (default: max-model-len)")
+    security.add_argument("--allowed-weights-dir", default=None, metavar="DIR",
+                          help="POST /reload_weights {\"path\"} reads only inside DIR (symlinks resolved; other "
+                               "paths get 403). Default: the served model's parent folder")
     security.add_argument("--asleep-timeout", type=seconds, default=None,
                           help="seconds a request waits for a sleeping engine before 503 (default: until the "
                                "wake); per request: the X-Asleep-Timeout header")
@@ -131,7 +134,8 @@ def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str 
     name = args.served_model_name or Path(llm.config.model).name
     try:
         config = ServerConfig(name, admin_token=admin_token, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                              max_tokens_cap=args.max_tokens_cap, asleep_timeout=args.asleep_timeout)
+                              max_tokens_cap=args.max_tokens_cap, asleep_timeout=args.asleep_timeout,
+                              allowed_weights_dir=args.allowed_weights_dir)
     except ValueError as exc:
         _say(f"error: {exc}")
         llm.close()

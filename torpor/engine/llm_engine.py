@@ -335,3 +335,31 @@ class LLMEngine:
         if self.sleep_mode is not None:
             self.sleep_mode.weights_discarded = False
             self._sync_scheduler()
+
+    def release_tags(self, tags: Iterable[str], mode: str = "wait") -> Report | None:
+        """Release only `tags`, each with its level-1 action (SGLang's `release_memory_occupation`):
+        the engine pauses as at level 1 and a `wake_up` naming them (or all) restores them. Tags that
+        do not exist on this device or already sleep are skipped; None when nothing is released."""
+        from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
+
+        sleep_mode = self._sleep_mode()
+        tags = list(tags)
+        unknown = sorted(set(tags) - set(SLEEP_TAGS))
+        if unknown:
+            raise ValueError(f"unknown tag(s) {unknown}; the engine's tags are {list(SLEEP_TAGS)}")
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
+        plan = {t: LEVELS[1][t] for t in sleep_mode.tags if t in tags and not self.memory.is_sleeping(t)}
+        if not plan:
+            return None
+        try:
+            if sleep_mode.level in (None, 0):  # requests may be running
+                self._settle_running(mode)
+            report = self.memory.sleep(plan)
+        except BaseException:
+            self._sync_scheduler()  # nothing was released: back to what the engine did
+            raise
+        if sleep_mode.level in (None, 0):
+            sleep_mode.after_sleep(1)
+        self._sync_scheduler()
+        return report

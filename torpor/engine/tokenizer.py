@@ -1,13 +1,16 @@
 """Tokenizer of a Hugging Face checkpoint folder: `tokenizer.json` (the `tokenizers` library) plus
 `tokenizer_config.json` (special tokens, chat template)."""
 
+import functools
 import itertools
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+import tokenizers.decoders
 
 
 class Tokenizer:
@@ -78,6 +81,20 @@ class Tokenizer:
     def _special_id(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (OpenAI's logprobs `bytes`): a byte-fallback token
+        `<0xNN>` is that byte, a byte-level (GPT-2 style) token the bytes its characters map to, even
+        when they end inside a UTF-8 character; any other token the UTF-8 of its text."""
+        token = self._tokenizer.id_to_token(token_id) if token_id in self._known_ids else None
+        if token is not None:
+            fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+            table = _byte_level_decoder()
+            if isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel) and all(c in table for c in token):
+                return bytes(table[c] for c in token)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
 
 class IncrementalDetokenizer:
     """Text deltas of a growing list of generated ids. Byte-level tokens can end inside a UTF-8
@@ -99,7 +116,6 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         return full[len(prefix) :]
-
 
 
 class OutputText:
@@ -154,6 +170,15 @@ class OutputText:
             return ""
         delta, self.num_emitted = source[self.num_emitted:end], end
         return delta
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
 
 
 def _token_content(token: str | dict | None) -> str | None:

@@ -4,10 +4,12 @@
     from torpor.server import ServerConfig, build_app
     app = build_app(LLM().engine, ServerConfig(model_name="tiny", admin_token="secret"))   # serve with uvicorn
 
-Inference: /v1/completions, /v1/chat/completions (both streaming), /v1/models, /health, /metrics.
+Public: /health, GET /is_sleeping. Behind the API key when one is set: /v1/completions,
+/v1/chat/completions (both streaming), /v1/models, /metrics, /openapi.json, /docs, /redoc.
 Control (admin bearer token; off without one): POST /sleep?level=N&mode=wait|abort,
-POST /wake_up?tags=..., GET /is_sleeping, POST /reload_weights, GET /memory, POST /collective_rpc,
-POST /release_memory_occupation, POST /resume_memory_occupation.
+POST /wake_up?tags=..., POST /reload_weights (inside the allowed weights directory), GET /memory,
+POST /collective_rpc, POST /release_memory_occupation, POST /resume_memory_occupation.
+docs/server.md has the policies (unknown fields, strict types, SGLang tags).
 """
 
 from torpor.server.app import build_app

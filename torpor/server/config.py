@@ -16,7 +16,9 @@ class ServerConfig:
     max_body_bytes: larger request bodies get 413.
     max_tokens_cap: larger `max_tokens` get 400 (None: the engine's max_model_len).
     asleep_timeout: seconds a request waits for a sleeping engine before 503 (None: waits until the
-        wake); a request can set its own with the `X-Asleep-Timeout` header."""
+        wake); a request can set its own with the `X-Asleep-Timeout` header.
+    allowed_weights_dir: `/reload_weights {"path"}` reads only inside this folder (symlinks resolved);
+        None: the served model's parent folder."""
 
     model_name: str
     admin_token: str | None = None
@@ -24,6 +26,7 @@ class ServerConfig:
     max_body_bytes: int = MiB
     max_tokens_cap: int | None = None
     asleep_timeout: float | None = None
+    allowed_weights_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -40,3 +43,6 @@ class ServerConfig:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                     or not math.isfinite(timeout) or timeout < 0):
             raise ValueError(f"asleep_timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        folder = self.allowed_weights_dir
+        if folder is not None and (not isinstance(folder, str) or not folder or "\x00" in folder):
+            raise ValueError(f"allowed_weights_dir must be a folder path or None, got {folder!r}")

@@ -1,43 +1,63 @@
-"""The control plane (admin token required): sleep, wake, reload, memory, plus the aliases RL
-frameworks already call (`/collective_rpc`, `/release_memory_occupation`, `/resume_memory_occupation`).
+"""The control plane: sleep, wake, reload, memory, plus the aliases RL frameworks already call
+(`/collective_rpc`, `/release_memory_occupation`, `/resume_memory_occupation`). Every endpoint needs
+the admin token except `GET /is_sleeping`, which is public (vLLM clients and RL frameworks poll it,
+and it tells nothing but a boolean).
 
 Every operation runs in the engine thread between steps and answers once it is complete, with the
 engine's state after it: `is_sleeping` (a sleep level is set) and `serving` (requests run: every tag
 awake and the weights valid).
+
+`/reload_weights {"path": ...}` reads only inside the allowed weights directory (`--allowed-weights-dir`,
+default: the served model's parent folder), compared after resolving symlinks: a path outside is a 403,
+and a path inside that holds no loadable checkpoint gets one generic 400 whether or not it exists.
+
+SGLang's memory-occupation tags are engine tags of the same name: `weights` (offloaded: a host copy is
+kept, as SGLang's `enable_weights_cpu_backup`), `kv_cache` (discarded), `cuda_graph` (offloaded);
+the engine's own `runtime` and `workspace` tags may be named too. `release_memory_occupation` with
+`tags` releases only those (each with its level-1 action); without `tags` it sleeps at level 1.
+`resume_memory_occupation` wakes the named tags (any wake also restores runtime, workspace and
+cuda_graph), or everything.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from torpor.engine.sleep_mode import SLEEP_TAGS
 from torpor.server.auth import require_admin
-from torpor.server.errors import APIError, engine_error
+from torpor.server.errors import APIError, engine_error, is_safetensors_error
 
 if TYPE_CHECKING:
     from torpor.memory import Report
     from torpor.server.state import ServerState
 
 router = APIRouter(dependencies=[Depends(require_admin)])
+public_router = APIRouter()  # GET /is_sleeping
+SGLANG_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache",), "cuda_graph": ("cuda_graph",)}
+NO_CHECKPOINT = ("no loadable checkpoint at that path (a folder with config-compatible *.safetensors weights, "
+                 "inside the allowed weights directory)")
 
 
 class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    path: str | None = None
+    path: StrictStr | None = None
 
 
 class TagsRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    tags: list[str] | None = None
+    model_config = ConfigDict(extra="forbid")
+    tags: list[StrictStr] | None = None
 
 
 class RPCRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    method: str
+    model_config = ConfigDict(extra="forbid")
+    method: StrictStr
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -55,15 +75,17 @@ async def wake_up(request: Request, tags: Annotated[list[str] | None, Query()] =
     return await _wake(request.app.state.server, tags)
 
 
-@router.get("/is_sleeping")
+@public_router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict:
+    """Whether a sleep level is set (public: no token needed)."""
     server: ServerState = request.app.state.server
     return {"is_sleeping": await _run(server.engine.is_sleeping())}
 
 
 @router.post("/reload_weights")
 async def reload_weights(request: Request, body: ReloadRequest | None = None) -> dict:
-    """Reload the checkpoint (or the one at `path`) into the same weight tensors."""
+    """Reload the checkpoint (or the one at `path`, inside the allowed weights directory) into the
+    same weight tensors."""
     return await _reload(request.app.state.server, body.path if body else None)
 
 
@@ -75,45 +97,61 @@ async def memory(request: Request) -> dict:
 
 @router.post("/collective_rpc")
 async def collective_rpc(body: RPCRequest, request: Request) -> dict:
-    """vLLM's form: {"method": name, "args": [...], "kwargs": {...}}; one result (one worker)."""
+    """vLLM's form: {"method": name, "args": [...], "kwargs": {...}}; one result (one worker). The
+    methods and their arguments: sleep(level: int = 1, mode: str = "wait"), wake_up(tags: list[str] |
+    None = None), reload_weights(path: str | None = None), is_sleeping(), memory_usage()."""
     server: ServerState = request.app.state.server
-    methods = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is_sleeping": _is_sleeping,
-               "memory_usage": _memory_usage}
-    method = methods.get(body.method)
+    method = RPC_METHODS.get(body.method)
     if method is None:
-        raise APIError(400, f"unknown method {body.method!r}; this server supports {sorted(methods)}",
+        raise APIError(400, f"unknown method {body.method!r}; this server supports {sorted(RPC_METHODS)}",
                        param="method")
-    try:
-        result = await method(server, *body.args, **body.kwargs)
-    except TypeError as exc:
-        raise APIError(400, f"bad arguments for {body.method}: {exc}", param="kwargs") from None
-    return {"results": [result]}
+    return {"results": [await method(server, **_rpc_arguments(body))]}
 
 
 @router.post("/release_memory_occupation")
 async def release_memory_occupation(request: Request, body: TagsRequest | None = None) -> dict:
-    """SGLang's form. Releases at sleep level 1 whatever tags are named (the engine sleeps as a whole;
-    `tags` is checked for compatibility)."""
-    _check_tags(body.tags if body else None)
-    return {"success": True, **await _sleep(request.app.state.server, 1, "wait")}
+    """SGLang's form: release the named tags only (see the module docstring), or sleep at level 1."""
+    server: ServerState = request.app.state.server
+    tags = body.tags if body else None
+    if tags is None:
+        return {"success": True, **await _sleep(server, 1, "wait")}
+    return {"success": True, **await _release(server, _engine_tags(tags))}
 
 
 @router.post("/resume_memory_occupation")
 async def resume_memory_occupation(request: Request, body: TagsRequest | None = None) -> dict:
     """SGLang's form: wake the named tags, or everything."""
-    return {"success": True, **await _wake(request.app.state.server, body.tags if body else None)}
+    tags = body.tags if body else None
+    return {"success": True, **await _wake(request.app.state.server, None if tags is None else _engine_tags(tags))}
 
 
+# ---- the operations -----------------------------------------------------------------------------
 async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dict:
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise APIError(400, f"level must be an integer (0, 1 or 2), got {level!r}", param="level")
     if mode not in ("wait", "abort"):
         raise APIError(400, f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}",
                        param="mode")
     start = time.perf_counter()
-    report = await _run(server.engine.sleep(level, mode))
+    engine = server.engine.engine
+    report, changed = await _run(server.engine.call(_noting_level_change, engine, engine.sleep, level, mode))
     seconds = time.perf_counter() - start
-    server.metrics.sleeps.labels(str(level)).inc()
+    if changed:  # a no-op sleep (same or shallower level) is not counted
+        server.metrics.sleeps.labels(str(level)).inc()
     server.metrics.sleep_seconds.observe(seconds)
     return {"level": level, **_state(server), "seconds": seconds, "report": _report(report)}
+
+
+async def _release(server: ServerState, tags: list[str]) -> dict:
+    start = time.perf_counter()
+    engine = server.engine.engine
+    report, changed = await _run(server.engine.call(_noting_level_change, engine, engine.release_tags, tags, "wait"))
+    seconds = time.perf_counter() - start
+    if changed:  # from awake (or level 0) to level 1
+        server.metrics.sleeps.labels("1").inc()
+        server.metrics.sleep_seconds.observe(seconds)
+    return {"level": 1, "released": [t.tag for t in report.tags] if report is not None else [], **_state(server),
+            "seconds": seconds, "report": _report(report)}
 
 
 async def _wake(server: ServerState, tags: list[str] | None = None) -> dict:
@@ -127,10 +165,18 @@ async def _wake(server: ServerState, tags: list[str] | None = None) -> dict:
 
 
 async def _reload(server: ServerState, path: str | None = None) -> dict:
-    if path is not None and (not isinstance(path, str) or not path):
-        raise APIError(400, f"path must be a non-empty string, got {path!r}", param="path")
+    checkpoint = None if path is None else allowed_checkpoint_path(path, server.allowed_weights_dir)
     start = time.perf_counter()
-    await _run(server.engine.reload_weights(path))
+    try:
+        await server.engine.reload_weights(checkpoint)
+    except OSError:  # missing, not a folder, unreadable: one answer, so nothing is learnt about the disk
+        raise APIError(400, NO_CHECKPOINT, param="path", code="invalid_checkpoint") from None
+    except Exception as exc:
+        # the loader's CheckpointError (a ValueError: bad file, shape, dtype, index), or safetensors' own
+        if isinstance(exc, ValueError) or is_safetensors_error(exc):
+            raise APIError(400, f"the checkpoint cannot be loaded: {exc}", param="path",
+                           code="invalid_checkpoint") from None
+        raise engine_error(exc) from None
     return {**_state(server), "seconds": time.perf_counter() - start}
 
 
@@ -140,6 +186,100 @@ async def _is_sleeping(server: ServerState) -> bool:
 
 async def _memory_usage(server: ServerState) -> dict:
     return await _run(server.engine.memory_usage())
+
+
+RPC_METHODS = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is_sleeping": _is_sleeping,
+               "memory_usage": _memory_usage}
+
+
+class _SleepArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: true is not the level 1
+    level: int = 1
+    mode: str = "wait"
+
+
+class _WakeArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tags: list[str] | None = None
+
+
+class _ReloadArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    path: str | None = None
+
+
+class _NoArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# The explicit signature of each RPC method: its arguments are checked against it, by name and type.
+RPC_SIGNATURES: dict[str, type[BaseModel]] = {"sleep": _SleepArgs, "wake_up": _WakeArgs,
+                                              "reload_weights": _ReloadArgs, "is_sleeping": _NoArgs,
+                                              "memory_usage": _NoArgs}
+
+
+def _rpc_arguments(body: RPCRequest) -> dict[str, Any]:
+    """`body.args` and `body.kwargs` bound to the method's signature, strictly typed; a 400 naming
+    the bad argument otherwise."""
+    signature = RPC_SIGNATURES[body.method]
+    names = list(signature.model_fields)
+    shown = f"{body.method}({_describe(signature)})"
+    if len(body.args) > len(names):
+        raise APIError(400, f"{shown} takes {len(names)} argument(s), got {len(body.args)} in args", param="args")
+    bound = dict(zip(names, body.args, strict=False))
+    for name, value in body.kwargs.items():
+        if name not in names:
+            raise APIError(400, f"unknown argument {name!r} for {shown}", param=f"kwargs.{name}")
+        if name in bound:
+            raise APIError(400, f"argument {name!r} of {shown} given in both args and kwargs",
+                           param=f"kwargs.{name}")
+        bound[name] = value
+    try:
+        return signature.model_validate(bound).model_dump()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = str(error["loc"][0]) if error["loc"] else "?"
+        where = f"args.{names.index(name)}" if name in names and name not in body.kwargs else f"kwargs.{name}"
+        raise APIError(400, f"argument {name!r} of {shown}: {error['msg']} (got {error.get('input')!r})",
+                       param=where) from None
+
+
+def _describe(signature: type[BaseModel]) -> str:
+    parts = []
+    for name, field in signature.model_fields.items():
+        annotation = inspect.formatannotation(field.annotation)
+        parts.append(f"{name}: {annotation} = {field.default!r}")
+    return ", ".join(parts)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def allowed_checkpoint_path(path: str, allowed_dir: Path) -> str:
+    """`path` with its symlinks resolved, if it lies inside `allowed_dir` (itself resolved); a 403
+    otherwise. Nothing is said about whether the path exists."""
+    if not path or "\x00" in path:
+        raise APIError(400, "path must be a non-empty folder path", param="path")
+    resolved = Path(os.path.realpath(path))
+    if not resolved.is_relative_to(allowed_dir):
+        raise APIError(403, f"reloading from outside the allowed weights directory {str(allowed_dir)!r} is refused "
+                            "(start the server with --allowed-weights-dir to allow another folder)",
+                       param="path", code="path_not_allowed")
+    return str(resolved)
+
+
+def _noting_level_change(engine, operation, *args) -> tuple[Report | None, bool]:
+    """Engine thread: `operation(*args)` (a sleep) and whether it changed the engine's sleep level."""
+    before = engine.sleep_mode.level if engine.sleep_mode is not None else None
+    report = operation(*args)
+    return report, engine.sleep_mode.level != before
+
+
+def _engine_tags(tags: list[str]) -> list[str]:
+    """SGLang tag names (and engine tag names) as engine tags; a 400 naming unknown ones."""
+    unknown = sorted({t for t in tags if t not in SGLANG_TAGS and t not in SLEEP_TAGS})
+    if unknown:
+        raise APIError(400, f"unknown tag(s) {unknown}; SGLang's tags are {list(SGLANG_TAGS)} and the engine's "
+                            f"{list(SLEEP_TAGS)}", param="tags")
+    return sorted({engine_tag for t in tags for engine_tag in SGLANG_TAGS.get(t, (t,))}, key=SLEEP_TAGS.index)
 
 
 async def _run(awaitable):

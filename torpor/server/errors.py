@@ -1,9 +1,16 @@
 """Errors in the OpenAI shape, `{"error": {"message", "type", "param", "code"}}`, for every failure:
-validation, auth, size limits, unknown routes, engine errors. Nothing escapes as a bare 500."""
+validation, auth, size limits, unknown routes, engine errors. Nothing escapes as a bare 500.
+
+Every JSON body the server sends goes through `json_text`: non-finite floats, which JSON cannot
+carry, become finite (-inf -> -9999.0 as vLLM clamps logprobs, +inf -> 9999.0, nan -> -9999.0), so a
+response is always valid JSON and serialization never raises after the work is done."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,21 +25,52 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
 
 
+NEG_INF_JSON, POS_INF_JSON = -9999.0, 9999.0  # what -inf / +inf (and nan: -9999.0) are sent as
+
+
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float (at any depth of dicts, lists, tuples) made finite."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return POS_INF_JSON if value > 0 else NEG_INF_JSON  # nan compares false: -9999.0
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_text(data: Any) -> str:
+    """Strict JSON (never NaN / Infinity) of `data`, non-ASCII kept as is."""
+    return json.dumps(finite(data), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class SafeJSONResponse(JSONResponse):
+    """The server's JSON response: `json_text`, so a non-finite float cannot make it invalid."""
+
+    def render(self, content: Any) -> bytes:
+        return json_text(content).encode("utf-8")
+
+
 class APIError(Exception):
     """An error answered to the client with `status` and the OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = dict(self.headers or {})
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return SafeJSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -50,6 +88,8 @@ def engine_error(exc: BaseException) -> APIError:
         return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ValueError | TypeError | FileNotFoundError):
         return APIError(400, str(exc))
+    if is_safetensors_error(exc):  # a bad checkpoint file is the client's (11.6)
+        return APIError(400, f"the checkpoint is not valid safetensors: {exc}", code="invalid_checkpoint")
     if isinstance(exc, RuntimeError) and not isinstance(exc, TorporMemoryError):
         return APIError(409, str(exc))
     logger.error("engine error", exc_info=exc)
@@ -67,7 +107,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()  # 405 keeps `Allow`
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -85,6 +125,20 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         return APIError(400, "the request body must be a JSON object, sent with 'Content-Type: application/json'")
+    if not loc and first.get("type") == "missing":
+        return APIError(400, "the request body is empty: send a JSON object with 'Content-Type: application/json'",
+                        code="missing_body")
     if first.get("type") == "missing":
         return APIError(400, f"missing required field {param!r}", param=param)
-    return APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+    message = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own message
+    return APIError(400, message if param and message.startswith(param) else
+                    f"{param}: {message}" if param else message, param=param)
+
+
+def is_safetensors_error(exc: BaseException) -> bool:
+    """Whether `exc` is safetensors' error for a file it cannot parse (truncated, garbage header)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # older safetensors: the Rust error type is not exported
+        return type(exc).__name__ == "SafetensorError"
+    return isinstance(exc, SafetensorError)

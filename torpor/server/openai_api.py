@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,7 +16,7 @@ from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 from torpor.server.async_engine import RequestStream
 from torpor.server.auth import require_api_key
-from torpor.server.errors import APIError, engine_error
+from torpor.server.errors import APIError, engine_error, json_text
 from torpor.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -76,6 +75,7 @@ def _check_request(server: ServerState, body: GenerationRequest) -> None:
     if body.model is not None and body.model != server.config.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                             f"{server.config.model_name!r}", param="model", code="model_not_found")
+    body.check_known_fields()
     body.check_supported()
 
 
@@ -135,8 +135,10 @@ async def _wait_if_asleep(request: Request, server: ServerState) -> None:
     if timeout is None or server.engine.serving:
         return
     if not await server.engine.wait_until_serving(timeout):
-        raise APIError(503, f"the engine did not serve within {timeout:g} s: "
-                            f"{server.engine.state.not_serving_reason()}", code="engine_asleep")
+        state = server.engine.state
+        code = "weights_discarded" if not state.is_sleeping and not state.weights_valid else "engine_asleep"
+        raise APIError(503, f"the engine did not serve within {timeout:g} s: {state.not_serving_reason()}",
+                       code=code)
 
 
 async def _unless_disconnected(request: Request, awaitable):
@@ -184,4 +186,4 @@ async def _stream_events(stream: RequestStream, fmt: ResponseFormat, num_prompt_
 
 
 def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json_text(data)}\n\n"  # strict JSON, as every response

@@ -1,30 +1,85 @@
 """OpenAI request bodies (pydantic) and their translation into prompt token ids and `SamplingParams`.
 
-Unknown fields are ignored (clients send many); fields torpor cannot honour with a non-default value
-(n > 1, penalties, logit_bias, echo, suffix, best_of, tools) are a 400 naming the field. `top_k`,
-`ignore_eos` and `stop_token_ids` are accepted as extra fields, as vLLM does.
+Every option is honoured or refused with a 400 naming it (`code: "unsupported_parameter"`):
+- declared fields torpor cannot honour with a non-default value (n > 1, penalties, logit_bias, echo,
+  suffix, best_of, tools) are refused by `check_supported`;
+- any other field, at the top level, in a message or in a content part, is refused by
+  `check_known_fields` — `response_format`, `tool_choice`, `functions`, `reasoning_effort`, a typo
+  (`max_token`) — unless its value is null (no behaviour asked for) or it is on the allowlist of
+  OpenAI fields that carry no semantics for a self-hosted engine: `IGNORED_FIELDS` (`user`, `metadata`,
+  `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls`).
+`top_k`, `ignore_eos` and `stop_token_ids` are accepted as extras, as vLLM does. Types are strict:
+no lax cast changes a meaning (`prompt: [true, false]` is not the tokens [1, 0], `max_tokens: true`
+not 1, `"0.5"` not a number), and text must be valid Unicode (a lone surrogate is a 400, not a
+tokenizer error).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from torpor.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from torpor.server.errors import APIError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+# OpenAI fields accepted and ignored: bookkeeping for OpenAI's platform, no effect on a generation.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "parallel_tool_calls"})
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields of `model` (and the models inside it) that it does not declare, set
+    to something other than null and not in `IGNORED_FIELDS`."""
+    names = [f"{prefix}{name}" for name, value in (model.model_extra or {}).items()
+             if value is not None and name not in IGNORED_FIELDS]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, BaseModel):
+                where = f"{prefix}{name}." if index is None else f"{prefix}{name}.{index}."
+                names += unknown_fields(item, where)
+    return names
+
+
+def invalid_unicode(value: Any, where: str = "") -> tuple[str, str] | None:
+    """(dotted field name, the offending text) of the first string in `value` that is not valid
+    Unicode (a lone surrogate such as "\\ud800" in the JSON), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return where, value[exc.start : exc.end]
+        return None
+    if isinstance(value, BaseModel):
+        value = {**value.__dict__, **(value.model_extra or {})}
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = invalid_unicode(item, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    # strict: no lax casts (true is not 1, "0.5" not 0.5; an int is still a valid float); unknown fields are
+    # kept in model_extra, where `check_known_fields` refuses them
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -60,6 +115,19 @@ class GenerationRequest(BaseModel):
     def _unsupported(self) -> dict[str, bool]:
         return {}
 
+    def check_known_fields(self) -> None:
+        """400 naming the first field torpor does not know (see the module docstring's policy), or the
+        first string that is not valid Unicode."""
+        unknown = unknown_fields(self)
+        if unknown:
+            raise APIError(400, f"unsupported field(s) {unknown}: torpor does not implement them (send only the "
+                                "documented fields, or null)", param=unknown[0], code="unsupported_parameter")
+        bad = invalid_unicode(self)
+        if bad is not None:
+            where, text = bad
+            raise APIError(400, f"{where}: invalid unicode: the text holds a lone surrogate {text!r} (a UTF-16 "
+                                "half that encodes no character)", param=where, code="invalid_unicode")
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -79,7 +147,21 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: true is not token 1
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """One clear message for a prompt of none of the four shapes (not one per union member)."""
+        def token_ids(value: Any) -> bool:
+            return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+        if isinstance(prompt, str) or token_ids(prompt):
+            return prompt
+        if isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) or all(map(token_ids, prompt))):
+            return prompt
+        raise ValueError("prompt must be a string, a list of token ids (integers: true and false are not token "
+                         f"ids), or a list of those; got {json.dumps(prompt)[:80]}")
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -103,23 +185,27 @@ class CompletionRequest(GenerationRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        for part in self.content:
-            if part.type != "text" or part.text is None:
+        for number, part in enumerate(self.content):
+            param = f"messages.{index}.content.{number}"
+            if part.type != "text":
                 raise APIError(400, f"content part of type {part.type!r} is not supported (text only)",
                                param=f"messages.{index}.content")
+            if part.text is None:
+                raise APIError(400, f"{param}: a content part of type 'text' needs a string 'text', got null",
+                               param=f"{param}.text")
         return "".join(part.text for part in self.content)
 
 
@@ -161,6 +247,8 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
     if requested is None:
         room = max_model_len - num_prompt_tokens
         return max(1, min(cap, room, room if default is None else default))
+    if isinstance(requested, int) and requested < 1:
+        raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
     if isinstance(requested, int) and requested > cap:
         raise APIError(400, f"{param}={requested} exceeds this server's limit of {cap}", param=param,
                        code="max_tokens_exceeded")

@@ -95,8 +95,9 @@ class ChatFormat(ResponseFormat):
         return {"index": 0, **body, "logprobs": lps, "finish_reason": finish_reason}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        token = self.token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        # `bytes`: the token's raw bytes (a byte-fallback or partial UTF-8 token is not U+FFFD's UTF-8)
+        return {"token": self.token_text(token_id), "logprob": logprob,
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
         content = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.config import ServerConfig
@@ -16,5 +17,6 @@ class ServerState:
 
     engine: AsyncEngine
     config: ServerConfig
+    allowed_weights_dir: Path  # resolved: /reload_weights reads only inside it
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
