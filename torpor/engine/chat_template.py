@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # transformers' marker for continue_final_message: it survives templates that strip message content.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -45,7 +45,7 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], add_genera
     try:
         text = compiled.render(messages=chat, tools=tools, documents=None,
                                add_generation_prompt=add_generation_prompt, **template_kwargs)
-    except Exception as exc:  # noqa: BLE001 - any failure inside the template is the template's
+    except Exception as exc:  # any failure inside the template is the template's
         raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
     if continue_final_message:
         tag = _CONTINUE_TAG.strip()
@@ -121,7 +121,7 @@ def _environment():
         """`{% generation %}...{% endgeneration %}` marks the assistant's tokens for training masks; when
         rendering for inference it renders its body."""
 
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
@@ -134,7 +134,7 @@ def _environment():
     class Namespace(jinja2.utils.Namespace):
         """`namespace()` that refuses underscore names (no reach into CPython internals)."""
 
-        def __init__(*args, **kwargs):  # noqa: N805 - Jinja's own signature trick (`namespace(self=...)`)
+        def __init__(*args, **kwargs):  # Jinja's own signature trick: `namespace(self=...)` works
             self, attrs = args[0], dict(*args[1:], **kwargs)
             for name in attrs:
                 Namespace._check(name)
