@@ -78,6 +78,10 @@ class Tokenizer:
                            **{**special, **template_kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str | None]:
+        """The vocabulary entries of `token_ids` (e.g. "Ġhello"); None for ids the tokenizer does not know."""
+        return [self._tokenizer.id_to_token(i) for i in token_ids]
+
     def _special_id(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from torpor.server import control, openai_api
+from torpor.server import control, openai_api, tokenize_api
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.config import ServerConfig
 from torpor.server.errors import install_error_handlers
@@ -46,6 +46,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(control.router)
+    app.include_router(tokenize_api.router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -60,7 +61,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
             server.metrics.update_engine(await server.engine.stats())
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    routes = {"/health", "/metrics", *(r.path for router in (openai_api.router, control.router) for r in router.routes)}
+    routers = (openai_api.router, control.router, tokenize_api.router)
+    routes = {"/health", "/metrics", *(r.path for router in routers for r in router.routes)}
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(CountRequests, count=lambda route, status: server.metrics.http_requests.labels(
         route, status).inc(), routes=routes)  # added last: outermost, it counts the 413s too

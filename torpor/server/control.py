@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from torpor.engine import rpc
 from torpor.engine.sleep_mode import SLEEP_TAGS
 from torpor.server.auth import require_admin
 from torpor.server.errors import APIError, engine_error
@@ -79,15 +80,16 @@ async def collective_rpc(body: RPCRequest, request: Request) -> dict:
     server: ServerState = request.app.state.server
     methods = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is_sleeping": _is_sleeping,
                "memory_usage": _memory_usage}
+    try:  # the engine's table and argument checks, shared with LLM.collective_rpc
+        bound = rpc.check(body.method, body.args, body.kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="method" if body.method not in rpc.METHODS else "kwargs") from None
     method = methods.get(body.method)
     if method is None:
-        raise APIError(400, f"unknown method {body.method!r}; this server supports {sorted(methods)}",
+        raise APIError(400, f"{body.method} is not available over HTTP; this server supports {sorted(methods)}",
                        param="method")
-    try:
-        result = await method(server, *body.args, **body.kwargs)
-    except TypeError as exc:
-        raise APIError(400, f"bad arguments for {body.method}: {exc}", param="kwargs") from None
-    return {"results": [result]}
+    result = await method(server, *list(bound.args)[1:], **bound.kwargs)
+    return {"results": [result] * server.engine.config.tensor_parallel_size}
 
 
 @router.post("/release_memory_occupation")
