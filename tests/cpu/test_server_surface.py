@@ -83,6 +83,19 @@ def test_chat_template_errors_are_400s_naming_them(server):
         assert "no tool turn may open a chat" in error["message"] and error["param"] == "messages"
 
 
+def test_chat_template_kwargs_reach_the_template(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "chat_template_kwargs": {"tag": "think-off"}}
+    usage = server.http.post("/v1/chat/completions", json=body).json()["usage"]
+    expected = server.tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n[think-off]",
+                                       add_special_tokens=False)
+    assert usage["prompt_tokens"] == len(expected) > len(server.tokenizer.apply_chat_template(
+        body["messages"], tokenize=True))
+    clash = error_of(server.http.post("/v1/chat/completions", json={
+        **body, "chat_template_kwargs": {"add_generation_prompt": False}}), 400)
+    assert clash["param"] == "chat_template_kwargs"
+
+
 def test_generation_config_fills_omitted_fields(server):
     def text(**body):
         answer = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "ignore_eos": True,
