@@ -58,8 +58,10 @@ def test_greedy_tokens_and_logprobs_match_transformers(checkpoints, arch):
             expected = torch.log_softmax(ref.logits[step][0].float(), dim=-1)
             top = expected.topk(3).indices.tolist()
             assert set(logprobs) == {token, *top}, f"step {step}"
-            for token_id, value in logprobs.items():
-                assert value == pytest.approx(expected[token_id].item(), abs=ATOL)
+            for token_id, entry in logprobs.items():  # vLLM's Logprob: value, rank, text
+                assert entry.logprob == pytest.approx(expected[token_id].item(), abs=ATOL)
+                assert entry.rank == top.index(token_id) + 1
+                assert entry.decoded_token == llm.tokenizer.decode([token_id], skip_special_tokens=False)
         assert completion.text == llm.tokenizer.decode(completion.token_ids)
 
 
@@ -75,8 +77,9 @@ def test_prompt_logprobs_match_transformers(checkpoints, tiny):
         for i, logprobs in enumerate(out.prompt_logprobs[1:]):
             top = expected[i].topk(2).indices.tolist()
             assert set(logprobs) == {prompt[i + 1], *top}
-            for token_id, value in logprobs.items():
-                assert value == pytest.approx(expected[i, token_id].item(), abs=ATOL)
+            for token_id, entry in logprobs.items():
+                assert entry.logprob == pytest.approx(expected[i, token_id].item(), abs=ATOL)
+                assert entry.rank == (top.index(token_id) + 1 if token_id in top else None)
     assert all(o.outputs[0].logprobs is None for o in outputs)  # not asked for
 
 
@@ -102,7 +105,8 @@ def test_seeded_sampling_is_reproducible_per_request(tiny):
     assert mixed[1].outputs[0].token_ids == alone.token_ids
     # the batch changes the GEMM shapes, hence the last bits of the logprobs (not the tokens)
     for got, want in zip(mixed[1].outputs[0].logprobs, alone.logprobs, strict=True):
-        assert got.keys() == want.keys() and all(got[t] == pytest.approx(want[t], abs=ATOL) for t in got)
+        assert got.keys() == want.keys()
+        assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=ATOL) for t in got)
     greedy_ids = tokens(tiny.generate([prompt], greedy(max_tokens=16)))[0]
     other_seed = tiny.generate([prompt], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16,
                                                         ignore_eos=True, seed=43))[0].outputs[0].token_ids
@@ -160,7 +164,7 @@ def test_preemption_gives_the_same_outputs(checkpoints, tiny):
     for out, ref in zip(outputs, reference, strict=True):
         for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
             assert got.keys() == want.keys()
-            assert all(got[t] == pytest.approx(want[t], abs=ATOL) for t in got)
+            assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=ATOL) for t in got)
     assert scheduler.block_manager.num_free_blocks == 16
 
 

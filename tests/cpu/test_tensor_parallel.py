@@ -41,7 +41,7 @@ def _close_all(outputs_a, outputs_b) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert lp_a.keys() == lp_b.keys()
-            assert all(abs(lp_a[t] - lp_b[t]) < LOGPROB_TOLERANCE for t in lp_a)
+            assert all(abs(lp_a[t].logprob - lp_b[t].logprob) < LOGPROB_TOLERANCE for t in lp_a)
 
 
 @pytest.fixture(scope="module")

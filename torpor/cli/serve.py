@@ -12,6 +12,7 @@ Requests that arrive while the engine sleeps wait for the wake (or get 503 after
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import socket
 import sys
@@ -22,35 +23,59 @@ EXIT_CODES = """exit codes:
   1  the engine could not start (model, device or memory), or the server failed
   2  bad command-line arguments
   3  cannot listen on HOST:PORT (in use, or not an address of this machine)"""
-EXIT_ENGINE, EXIT_LISTEN = 1, 3
+EXIT_ENGINE, EXIT_USAGE, EXIT_LISTEN = 1, 2, 3
+_FIELD_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+
+
+# EngineConfig field -> (help, other option names). Every field listed here is a flag named after it
+# (`--max-num-seqs`), typed and defaulted from the dataclass (bools get `--no-...` too); fields not listed
+# are internal (NOT_FLAGS). A test checks that every field is one or the other.
+ENGINE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tokenizer": ("tokenizer folder or Hugging Face Hub id (default: the model's)", ()),
+    "generation_config": ("request defaults: 'auto' applies the checkpoint's generation_config.json (temperature, "
+                          "top_p, top_k, min_p, repetition_penalty, max_new_tokens) to requests that omit them, as "
+                          "vLLM does; 'vllm' ignores it; or a folder holding a generation_config.json", ()),
+    "device": ("auto (CUDA when available), cpu, cuda or cuda:N", ()),
+    "dtype": ("weight dtype (default: the checkpoint's); half = float16, float = float32", ()),
+    "max_model_len": ("prompt + output tokens of one request (default: min(4096, the model's limit))", ()),
+    "max_num_seqs": ("requests running at once", ()),
+    "max_num_batched_tokens": ("tokens in one prefill batch (default: max(16384, max-model-len))", ()),
+    "block_size": ("tokens per KV-cache block, a power of two", ()),
+    "gpu_memory_utilization": ("fraction of device memory the engine may use", ()),
+    "enforce_eager": ("never capture CUDA graphs", ()),
+    "enable_prefix_caching": ("reuse the KV blocks of prompt prefixes already computed", ()),
+    "tensor_parallel_size": ("split the model over N processes, one device each. On GPU, rank r uses the device r "
+                             "places after --device (cuda:0..cuda:N-1 by default; CUDA_VISIBLE_DEVICES chooses "
+                             "them), over NCCL; on CPU, N processes over gloo. Heads, kv heads, intermediate size "
+                             "and vocabulary must divide by N. Sleep, wake and weight updates reach every rank",
+                             ("--tp",)),
+    "tp_timeout_s": ("tensor parallel: seconds after which a silent worker counts as hung", ()),
+    "seed": ("seeds requests that give no seed", ()),
+}
+NOT_FLAGS = frozenset({"model", "num_kv_blocks", "untagged_phases"})  # the positional / profiled / measurement
+_DEFAULT_OVERRIDES = {"max_model_len": None}  # None: LLM derives it from the model
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API with sleep/wake control",
                        description=__doc__, epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face checkpoint folder (default: the embedded tiny model)")
+                   help="checkpoint folder or Hugging Face Hub id, e.g. Qwen/Qwen3-0.6B (resolved through the local "
+                        "Hugging Face cache, HF_HOME / HF_HUB_CACHE, and downloaded when missing unless "
+                        "HF_HUB_OFFLINE=1; a local folder wins); default: the embedded tiny model")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the same as MODEL (vLLM's form)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id in /v1/models and requests (default: the checkpoint folder's name)")
-    engine = p.add_argument_group("engine")
-    engine.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
-    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
-                        help="weight dtype (default: the checkpoint's)")
-    engine.add_argument("--max-model-len", type=positive_int, default=None,
-                        help="prompt + output tokens of one request (default: min(4096, the model's limit))")
-    engine.add_argument("--max-num-seqs", type=positive_int, default=256, help="requests running at once")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of device memory the engine may use (default: 0.9)")
-    engine.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    engine.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1, metavar="N",
-                        help="split the model over N processes, one device each (default: 1). On GPU, rank r "
-                             "uses the device r places after --device (cuda:0..cuda:N-1 by default; "
-                             "CUDA_VISIBLE_DEVICES chooses them), over NCCL; on CPU, N processes over gloo. "
-                             "Heads, kv heads, intermediate size and vocabulary must divide by N. Sleep, wake "
-                             "and weight updates reach every rank")
-    engine.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed (default: 0)")
+                   help="model id in /v1/models and requests (default: the Hub id as given, or the checkpoint "
+                        "folder's name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="Jinja chat template (a file, or the template text) replacing the checkpoint's")
+    engine = p.add_argument_group("engine (EngineConfig)")
+    add_engine_flags(engine)
+    engine.add_argument("--enable-sleep-mode", action="store_true",
+                        help="accepted for vLLM compatibility: torpor's sleep mode is always on")
     security = p.add_argument_group("security and limits")
     security.add_argument("--admin-token", default=None,
                           help="bearer token of the control plane; without one it answers 403 (env: "
@@ -67,16 +92,47 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     security.add_argument("--asleep-timeout", type=seconds, default=None,
                           help="seconds a request waits for a sleeping engine before 503 (default: until the "
                                "wake); per request: the X-Asleep-Timeout header")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="server log level (default: info)")
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="server (uvicorn) log level (default: info)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=run)
+
+
+def add_engine_flags(group) -> None:
+    """One flag per ENGINE_FLAGS field of EngineConfig (the fields this torpor has), typed from the field."""
+    from torpor.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, EngineConfig
+
+    for field in dataclasses.fields(EngineConfig):
+        if field.name not in ENGINE_FLAGS:
+            continue
+        help_text, aliases = ENGINE_FLAGS[field.name]
+        names = (f"--{field.name.replace('_', '-')}", *aliases)
+        default = _DEFAULT_OVERRIDES.get(field.name, field.default)
+        if field.type == "bool":
+            group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=f"{help_text} (default: {'on' if default else 'off'})")
+            continue
+        options: dict = {"type": _FIELD_TYPES[field.type], "metavar": field.name.upper()}
+        if field.name == "dtype":
+            options = {"choices": (*DTYPE_CHOICES, *DTYPE_ALIASES)}
+        shown = "" if default is None or "default:" in help_text else f" (default: {default})"
+        group.add_argument(*names, dest=field.name, default=default, help=help_text + shown, **options)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the command line set, as `LLM` keyword arguments."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
 
 
 def run(args: argparse.Namespace) -> int:
     from torpor.env import Env
 
     env = Env.read()
+    problem = _check_args(args)
+    if problem:
+        _say(f"error: {problem}")
+        return EXIT_USAGE
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -88,6 +144,25 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ENGINE
     return _serve(args, llm, sock, admin_token=args.admin_token or env.admin_token,
                   api_key=args.api_key or env.api_key)
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """Resolve --model and --chat-template in `args`; the first problem with the options, or None."""
+    from torpor.engine.chat_template import load_chat_template
+    from torpor.engine.config import EngineConfig
+
+    if args.model_option is not None and args.model is not None and args.model_option != args.model:
+        return f"two different models: {args.model!r} and --model {args.model_option!r}"
+    args.model = args.model_option or args.model
+    try:
+        if args.chat_template is not None:
+            args.chat_template = load_chat_template(args.chat_template)
+        # Check the values now (exit 2, nothing loaded); the model's own limits are checked when it loads.
+        options = {"max_model_len": 1, **{k: v for k, v in engine_options(args).items() if v is not None}}
+        EngineConfig(model=args.model or "the embedded tiny model", **{**options, "dtype": "auto"})
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -105,33 +180,36 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _load_engine(args: argparse.Namespace):
-    from torpor.engine import LLM
+    from torpor.engine import LLM, SamplingParams
 
     tp = args.tensor_parallel_size
     ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
     _say(f"loading {args.model or 'the embedded tiny model'} (device {args.device}, dtype {args.dtype}{ranks}) ...")
     start = time.perf_counter()
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-                  enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=tp)
+        llm = LLM(args.model, **engine_options(args))
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         _say(f"error: the engine could not start: {type(exc).__name__}: {exc}")
         return None
+    if args.chat_template is not None:
+        llm.get_tokenizer().chat_template = args.chat_template
     config = llm.config
     devices = config.device if tp == 1 else f"{tp} ranks from {config.device}"
     _say(f"engine ready in {time.perf_counter() - start:.1f} s: {devices}, {config.dtype}, "
          f"max_model_len {config.max_model_len}, KV cache {config.num_kv_blocks * config.block_size} tokens"
          f"{' per rank' if tp > 1 else ''}, max_num_seqs {config.max_num_seqs}")
+    defaults = llm.get_default_sampling_params()
+    if defaults != SamplingParams():
+        changed = {k: v for k, v in dataclasses.asdict(defaults).items() if getattr(SamplingParams(), k) != v}
+        _say(f"request defaults from generation_config.json (--generation-config {config.generation_config}): "
+             f"{changed}")
     return llm
 
 
 def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str | None, api_key: str | None) -> int:
-    from pathlib import Path
-
     from torpor.server import ServerConfig
 
-    name = args.served_model_name or Path(llm.config.model).name
+    name = args.served_model_name or _default_name(args.model, llm.config.model)
     try:
         config = ServerConfig(name, admin_token=admin_token, api_key=api_key, max_body_bytes=args.max_body_bytes,
                               max_tokens_cap=args.max_tokens_cap, asleep_timeout=args.asleep_timeout,
@@ -144,6 +222,17 @@ def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str 
         return _run_server(args, llm, config, sock)
     finally:
         llm.close()  # tensor parallel: the workers stop and every rank leaves the process group
+
+
+def _default_name(given: str | None, folder: str) -> str:
+    """A Hub id as the user typed it (what vLLM serves it as); a folder by its name."""
+    from pathlib import Path
+
+    from torpor.engine.model_path import looks_like_hub_id
+
+    if given is not None and not Path(given).expanduser().exists() and looks_like_hub_id(given):
+        return given
+    return Path(folder).name
 
 
 def _run_server(args: argparse.Namespace, llm, config, sock: socket.socket) -> int:

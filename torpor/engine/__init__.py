@@ -20,13 +20,15 @@ _EXPORTS = {  # name -> module
     "SamplingParams": "torpor.engine.sampling_params",
     "RequestOutput": "torpor.engine.outputs",
     "CompletionOutput": "torpor.engine.outputs",
+    "Logprob": "torpor.engine.logprobs",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from torpor.engine.config import EngineConfig
     from torpor.engine.llm import LLM
     from torpor.engine.llm_engine import LLMEngine
+    from torpor.engine.logprobs import Logprob
     from torpor.engine.outputs import CompletionOutput, RequestOutput
     from torpor.engine.sampling_params import SamplingParams
 

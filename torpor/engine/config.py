@@ -13,6 +13,7 @@ from dataclasses import dataclass
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # every dtype the engine runs in (one list: models/config.py
 # maps them to torch dtypes, the kernels and loaders take exactly these)
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # "auto": the checkpoint's
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # Without an explicit budget the prefill batch holds at least this many tokens (and always a
 # whole max_model_len prompt, since prefill is not chunked).
@@ -28,6 +29,8 @@ class EngineConfig:
     """
 
     model: str                                   # Hugging Face checkpoint folder
+    tokenizer: str | None = None                 # tokenizer folder; None: the model's
+    generation_config: str = "auto"              # request defaults: "auto" (the model's), "vllm" (none), a folder
     dtype: str = "auto"                          # "auto" = the checkpoint's torch_dtype
     device: str = "auto"                         # "auto" | "cpu" | "cuda" | "cuda:N"
     max_model_len: int = 4096                    # prompt + output tokens of one sequence
@@ -54,6 +57,10 @@ class EngineConfig:
     def _validate(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty checkpoint path, got {self.model!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be None or a non-empty folder path, got {self.tokenizer!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):

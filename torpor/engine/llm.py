@@ -8,19 +8,22 @@ from collections.abc import Sequence as SequenceABC
 
 import torch
 
-from torpor.engine.config import EngineConfig
+from torpor.engine.config import DTYPE_ALIASES, EngineConfig
+from torpor.engine.generation_config import generation_defaults
 from torpor.engine.llm_engine import LLMEngine
+from torpor.engine.model_path import resolve_model
 from torpor.engine.models import ModelConfig
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # or vLLM's dict prompts: {"prompt": text} / {"prompt_token_ids": [ids]}
 
 
 class LLM:
     """A paged-KV inference engine on one device.
 
-    model: a Hugging Face checkpoint folder; None = the embedded tiny default model.
+    model: a Hugging Face checkpoint folder or Hub id ("Qwen/Qwen3-0.6B", resolved through the local
+    Hugging Face cache, downloaded when online; see model_path.py); None = the embedded tiny model.
     device: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N". dtype: "auto" (the checkpoint's),
     "float32", "float16" or "bfloat16". max_model_len: prompt + output tokens of one sequence (default:
     min(4096, the model's max_position_embeddings)). memory: a `torpor.memory.MemoryManager` on the same
@@ -48,11 +51,13 @@ class LLM:
         from torpor.engine.checkpoint import default_model_path
 
         self.wait_if_asleep = _check_wait(wait_if_asleep)
-        path = str(model if model is not None else default_model_path())
+        path = resolve_model(model) if model is not None else str(default_model_path())
         model_config = ModelConfig.from_pretrained(path)
         unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
         if unknown:
             raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
+        if engine_options.get("tokenizer") is not None:
+            engine_options["tokenizer"] = resolve_model(engine_options["tokenizer"], "tokenizer")
         config = EngineConfig(
             model=path,
             dtype=_dtype_name(dtype),
@@ -64,6 +69,7 @@ class LLM:
             seed=seed,
             **engine_options,
         )
+        self._generation_defaults = generation_defaults(config.generation_config, config.model)
         if memory is None and enable_sleep_mode:
             from torpor.memory import MemoryManager
 
@@ -79,10 +85,13 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Complete every prompt (text, or token ids); outputs in input order. Raises ValueError before
-        queueing anything if any prompt or parameter is invalid, RuntimeError if the engine does not
+        """Complete every prompt (text, token ids, or a dict prompt); outputs in input order, logprobs as
+        `{id: Logprob}`. Without `sampling_params`: `get_default_sampling_params()`. Raises ValueError
+        before queueing anything if any prompt or parameter is invalid, RuntimeError if the engine does not
         serve within `wait_if_asleep` seconds (see the class)."""
         prompt_list = _prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, len(prompt_list))
         with self._lock:
             seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
@@ -104,7 +113,7 @@ class LLM:
                     self.engine.abort_request(request_id)
                     self._finished.pop(request_id, None)
             raise
-        return [outputs[seq.request_id] for seq in seqs]
+        return [self._for_python(outputs[seq.request_id], seq.sampling_params) for seq in seqs]
 
     def _step_or_wait(self) -> None:
         """One engine step, or (not serving) wait up to `wait_if_asleep` for another thread to make the
@@ -177,10 +186,61 @@ class LLM:
         with self._lock:
             self.engine.close()
 
+    # ---- vLLM's surface ---------------------------------------------------------------------
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}]) or a list of them,
+        rendered with the checkpoint's chat template (or `chat_template`, Jinja text) as Hugging Face
+        renders it; `chat_template_kwargs` reach the template (e.g. {"enable_thinking": False}). Each
+        output's `prompt` is the rendered text. ValueError (naming the template error) before anything
+        is queued if a conversation cannot be rendered."""
+        conversations = messages if messages and isinstance(messages, list) and all(
+            isinstance(m, list) for m in messages) else [messages]
+        texts = [self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))
+            for conversation in conversations]
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)} for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
+
+    def get_tokenizer(self):
+        """The engine's `Tokenizer` (encode, decode, apply_chat_template, eos_token_id, ...)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (EngineConfig.generation_config)."""
+        return SamplingParams(**self._generation_defaults)
+
+    def collective_rpc(self, method: str, args: tuple | list = (), kwargs: dict | None = None) -> list:
+        """Call an engine method by name, vLLM's way: "sleep", "wake_up", "reload_weights",
+        "update_weights", "is_sleeping" or "memory_usage" (see rpc.py). Returns one result per rank:
+        the method runs once and reaches every tensor-parallel rank, so each entry is that result.
+        ValueError names an unknown method or bad arguments."""
+        from torpor.engine import rpc
+
+        result = rpc.call(self, method, args, kwargs)
+        return [result] * self.config.tensor_parallel_size
+
+    def _for_python(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
+        """`output` with `{id: Logprob}` logprobs (vLLM's shape) when any were asked for."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return output
+        from torpor.engine.logprobs import with_logprob_objects
+
+        return with_logprob_objects(output, self.tokenizer, params.logprobs, params.prompt_logprobs)
+
 
 def _prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    if isinstance(prompts, SequenceABC) and any(isinstance(p, dict) for p in prompts):
+        return [_dict_prompt(p, i) for i, p in enumerate(prompts)]
     if not isinstance(prompts, SequenceABC) or not prompts:
         raise ValueError(f"prompts must be a string, a list of strings, a list of token ids or a list of "
                          f"token-id lists, and not empty; got {prompts!r:.80}")
@@ -189,6 +249,24 @@ def _prompt_list(prompts) -> list[Prompt]:
     if all(isinstance(p, str) or (isinstance(p, SequenceABC) and not isinstance(p, bytes)) for p in prompts):
         return [p if isinstance(p, str) else list(p) for p in prompts]
     raise ValueError(f"prompts must not mix token ids with other prompts; got {prompts!r:.80}")
+
+
+def _dict_prompt(prompt, index: int) -> Prompt:
+    """vLLM's TextPrompt / TokensPrompt: exactly one of "prompt" (text) or "prompt_token_ids"."""
+    if not isinstance(prompt, dict):
+        raise ValueError(f"prompts[{index}]: a list of dict prompts must hold only dicts, got {prompt!r:.60}")
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown or len(prompt) != 1:
+        raise ValueError(f"prompts[{index}] must have exactly one of the keys 'prompt' (text) or 'prompt_token_ids'; "
+                         f"got {sorted(prompt)}" + (f" (not supported: {unknown})" if unknown else ""))
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompts[{index}]['prompt'] must be a string, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, str | bytes) or not isinstance(ids, SequenceABC):
+        raise ValueError(f"prompts[{index}]['prompt_token_ids'] must be a list of token ids, got {ids!r:.60}")
+    return list(ids)
 
 
 def _params_list(params, num_prompts: int) -> list[SamplingParams | None]:
@@ -223,7 +301,7 @@ def _resolve_device(device: str | torch.device) -> str:
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
     names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-    return names.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
+    return names.get(dtype, dtype) if isinstance(dtype, torch.dtype) else DTYPE_ALIASES.get(dtype, dtype)
 
 
 def _resolve_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> int:

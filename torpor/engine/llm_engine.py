@@ -81,7 +81,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None) -> None:
         """`worker_memory_options` (tensor parallel only): rank -> MemoryManager kwargs of that worker."""
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
         if config.tensor_parallel_size > 1:
             from torpor.engine.parallel_runner import ParallelModelRunner
 

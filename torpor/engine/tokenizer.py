@@ -63,20 +63,27 @@ class Tokenizer:
                 parts.extend(f"<unk_{i}>" for i in group)
         return "".join(parts)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
-    ) -> str | list[int]:
-        """Render `messages` ([{"role": ..., "content": ...}]) with the checkpoint's Jinja chat template;
-        the token ids of the result with `tokenize` (special tokens come from the template only)."""
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            tools: list[dict] | None = None, **template_kwargs) -> str | list[int]:
+        """Render `messages` ([{"role": ..., "content": ...}]) with the checkpoint's Jinja chat template (or
+        `chat_template`) as Hugging Face does (see chat_template.py); the token ids of the result with
+        `tokenize` (special tokens come from the template only). `template_kwargs` reach the template
+        (e.g. Qwen3's `enable_thinking=False`). ValueError without a template; `ChatTemplateError` (a
+        ValueError naming the template error) when the template fails."""
+        from torpor.engine.chat_template import render_chat
+
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
-        text = _compile_template(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        text = render_chat(template, messages, add_generation_prompt, continue_final_message, tools,
+                           **{**special, **template_kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str | None]:
+        """The vocabulary entries of `token_ids` (e.g. "Ġhello"); None for ids the tokenizer does not know."""
+        return [self._tokenizer.id_to_token(i) for i in token_ids]
 
     def _special_id(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
@@ -184,14 +191,3 @@ def _byte_level_decoder() -> dict[str, int]:
 def _token_content(token: str | dict | None) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
-
-def _compile_template(source: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)

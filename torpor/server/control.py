@@ -21,15 +21,15 @@ cuda_graph), or everything.
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
+from torpor.engine import rpc
 from torpor.engine.sleep_mode import SLEEP_TAGS
 from torpor.server.auth import require_admin
 from torpor.server.errors import APIError, engine_error, is_safetensors_error
@@ -101,11 +101,17 @@ async def collective_rpc(body: RPCRequest, request: Request) -> dict:
     methods and their arguments: sleep(level: int = 1, mode: str = "wait"), wake_up(tags: list[str] |
     None = None), reload_weights(path: str | None = None), is_sleeping(), memory_usage()."""
     server: ServerState = request.app.state.server
-    method = RPC_METHODS.get(body.method)
+    methods = RPC_METHODS
+    try:  # the engine's table and argument checks, shared with LLM.collective_rpc
+        bound = rpc.check(body.method, body.args, body.kwargs)
+    except rpc.RPCArgumentError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    method = methods.get(body.method)
     if method is None:
-        raise APIError(400, f"unknown method {body.method!r}; this server supports {sorted(RPC_METHODS)}",
+        raise APIError(400, f"{body.method} is not available over HTTP; this server supports {sorted(methods)}",
                        param="method")
-    return {"results": [await method(server, **_rpc_arguments(body))]}
+    result = await method(server, *list(bound.args)[1:], **bound.kwargs)
+    return {"results": [result] * server.engine.config.tensor_parallel_size}
 
 
 @router.post("/release_memory_occupation")
@@ -188,68 +194,11 @@ async def _memory_usage(server: ServerState) -> dict:
     return await _run(server.engine.memory_usage())
 
 
+# The engine's collective_rpc methods served over HTTP (their arguments are checked by engine/rpc.py).
 RPC_METHODS = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is_sleeping": _is_sleeping,
                "memory_usage": _memory_usage}
 
 
-class _SleepArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # strict: true is not the level 1
-    level: int = 1
-    mode: str = "wait"
-
-
-class _WakeArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    tags: list[str] | None = None
-
-
-class _ReloadArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    path: str | None = None
-
-
-class _NoArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-# The explicit signature of each RPC method: its arguments are checked against it, by name and type.
-RPC_SIGNATURES: dict[str, type[BaseModel]] = {"sleep": _SleepArgs, "wake_up": _WakeArgs,
-                                              "reload_weights": _ReloadArgs, "is_sleeping": _NoArgs,
-                                              "memory_usage": _NoArgs}
-
-
-def _rpc_arguments(body: RPCRequest) -> dict[str, Any]:
-    """`body.args` and `body.kwargs` bound to the method's signature, strictly typed; a 400 naming
-    the bad argument otherwise."""
-    signature = RPC_SIGNATURES[body.method]
-    names = list(signature.model_fields)
-    shown = f"{body.method}({_describe(signature)})"
-    if len(body.args) > len(names):
-        raise APIError(400, f"{shown} takes {len(names)} argument(s), got {len(body.args)} in args", param="args")
-    bound = dict(zip(names, body.args, strict=False))
-    for name, value in body.kwargs.items():
-        if name not in names:
-            raise APIError(400, f"unknown argument {name!r} for {shown}", param=f"kwargs.{name}")
-        if name in bound:
-            raise APIError(400, f"argument {name!r} of {shown} given in both args and kwargs",
-                           param=f"kwargs.{name}")
-        bound[name] = value
-    try:
-        return signature.model_validate(bound).model_dump()
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        name = str(error["loc"][0]) if error["loc"] else "?"
-        where = f"args.{names.index(name)}" if name in names and name not in body.kwargs else f"kwargs.{name}"
-        raise APIError(400, f"argument {name!r} of {shown}: {error['msg']} (got {error.get('input')!r})",
-                       param=where) from None
-
-
-def _describe(signature: type[BaseModel]) -> str:
-    parts = []
-    for name, field in signature.model_fields.items():
-        annotation = inspect.formatannotation(field.annotation)
-        parts.append(f"{name}: {annotation} = {field.default!r}")
-    return ", ".join(parts)
 
 
 # ---- helpers --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from torpor.engine.generation_config import generation_defaults
 from torpor.engine.llm_engine import RequestError
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
@@ -46,9 +47,11 @@ async def list_models(request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     server: ServerState = request.app.state.server
     _check_request(server, body)
+    body, default_max_tokens = _with_generation_defaults(server, body)
     token_ids = body.prompt_token_ids(server.engine.tokenizer)
     check_logprobs(body.logprobs, "logprobs")
-    max_tokens = _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(token_ids))
+    max_tokens = _max_tokens(server, body.max_tokens, default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                             len(token_ids))
     params = body.sampling_params(max_tokens, body.logprobs)
     fmt = CompletionFormat(server.engine.tokenizer, server.config.model_name, f"cmpl-{uuid.uuid4().hex}",
                            body.logprobs)
@@ -59,12 +62,13 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     server: ServerState = request.app.state.server
     _check_request(server, body)
+    body, default_max_tokens = _with_generation_defaults(server, body)
     token_ids = body.prompt_token_ids(server.engine.tokenizer)
     check_logprobs(body.top_logprobs, "top_logprobs")
     num_logprobs = body.num_logprobs()
     requested, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
-    max_tokens = _max_tokens(server, requested, None, len(token_ids), param)
+    max_tokens = _max_tokens(server, requested, default_max_tokens, len(token_ids), param)
     params = body.sampling_params(max_tokens, num_logprobs)
     fmt = ChatFormat(server.engine.tokenizer, server.config.model_name, f"chatcmpl-{uuid.uuid4().hex}",
                      num_logprobs)
@@ -77,6 +81,16 @@ def _check_request(server: ServerState, body: GenerationRequest) -> None:
                             f"{server.config.model_name!r}", param="model", code="model_not_found")
     body.check_known_fields()
     body.check_supported()
+
+
+def _with_generation_defaults(server: ServerState, body: GenerationRequest) -> tuple[GenerationRequest, int | None]:
+    """The request with the model's generation_config.json defaults (`--generation-config`) in the
+    sampling fields it left out, as vLLM does; and the default max_tokens (None: none set)."""
+    config = server.engine.config
+    defaults = generation_defaults(config.generation_config, config.model)
+    omitted = {field: value for field, value in defaults.items()
+               if field in type(body).model_fields and field != "max_tokens" and field not in body.model_fields_set}
+    return (body.model_copy(update=omitted) if omitted else body), defaults.get("max_tokens")
 
 
 def _max_tokens(server: ServerState, requested: int | None, default: int | None, num_prompt_tokens: int,

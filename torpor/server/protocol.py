@@ -215,22 +215,26 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, e.g. {"enable_thinking": false}
 
     def _unsupported(self) -> dict[str, bool]:
         return {"tools": bool(self.tools)}
 
     def prompt_token_ids(self, tokenizer) -> list[int]:
         """The conversation rendered with the model's chat template, tokenized."""
-        from jinja2.exceptions import TemplateError
+        from torpor.engine.chat_template import ChatTemplateError
 
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 **(self.chat_template_kwargs or {}))
+        except ChatTemplateError as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        except TypeError as exc:  # chat_template_kwargs naming one of the template's own arguments
+            raise APIError(400, f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
         except ValueError as exc:  # no chat template
             raise APIError(400, f"{exc}: use /v1/completions with this model", param="messages",
                            code="no_chat_template") from None
-        except TemplateError as exc:
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

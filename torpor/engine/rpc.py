@@ -1,0 +1,109 @@
+"""`collective_rpc`: the methods RL frameworks call by name, vLLM's way, and their argument checks.
+
+One table for both callers: `LLM.collective_rpc(method, args, kwargs)` in Python and the server's
+`POST /collective_rpc`. `check(method, args, kwargs)` raises ValueError naming the method and the bad
+argument (unknown method, wrong arity or keyword, wrong type); `call(target, ...)` then runs it on an
+object with the engine's method names (an `LLM` or an `LLMEngine`). Each method runs once from rank 0
+and reaches every tensor-parallel rank itself (see parallel_runner.py).
+"""
+
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def _sleep(target, level: int = 1, mode: str = "wait"):
+    if mode not in ("wait", "abort"):
+        raise ValueError(f"sleep: mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
+    return target.sleep(level, mode)  # positional: the engine's second parameter is the mode
+
+
+def _wake_up(target, tags: list[str] | None = None):
+    return target.wake_up(tags)
+
+
+def _reload_weights(target, path: str | None = None):
+    return target.reload_weights(path)
+
+
+def _update_weights(target, named_tensors: Iterable):
+    return target.update_weights(named_tensors)
+
+
+def _is_sleeping(target):
+    return target.is_sleeping()
+
+
+def _memory_usage(target):
+    return target.memory_usage()
+
+
+METHODS: dict[str, Callable] = {f.__name__[1:]: f for f in (
+    _sleep, _wake_up, _reload_weights, _update_weights, _is_sleeping, _memory_usage)}
+
+
+class RPCArgumentError(ValueError):
+    """A collective_rpc call refused before it runs; `param` names the part at fault ("method", "args",
+    "args.N", "kwargs" or "kwargs.NAME")."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check(method: str, args: Iterable = (), kwargs: dict | None = None) -> inspect.BoundArguments:
+    """The bound arguments of `method(*args, **kwargs)`; RPCArgumentError (a ValueError) names what is wrong."""
+    function = METHODS.get(method) if isinstance(method, str) else None
+    if function is None:
+        raise RPCArgumentError(f"unknown collective_rpc method {method!r}; supported: {sorted(METHODS)}", "method")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RPCArgumentError(f"{method}: kwargs must be a dict, got {type(kwargs).__name__}", "kwargs")
+    if isinstance(args, str | bytes | dict) or not isinstance(args, Iterable):
+        raise RPCArgumentError(f"{method}: args must be a list or tuple, got {type(args).__name__}", "args")
+    args, kwargs = list(args), dict(kwargs or {})
+    names = list(inspect.signature(function).parameters)[1:]
+    if len(args) > len(names):
+        raise RPCArgumentError(f"{method} takes {len(names)} argument(s) {names}, got {len(args)} in args", "args")
+    for name in kwargs:
+        if name not in names:
+            raise RPCArgumentError(f"{method}: unknown argument {name!r}; it takes {names}", f"kwargs.{name}")
+        if names.index(name) < len(args):
+            raise RPCArgumentError(f"{method}: argument {name!r} given in both args and kwargs", f"kwargs.{name}")
+    try:
+        bound = inspect.signature(function).bind(None, *args, **kwargs)
+    except TypeError as exc:
+        raise RPCArgumentError(f"{method}: bad arguments: {exc}", "args") from None
+    hints = typing.get_type_hints(function)
+    for name, value in list(bound.arguments.items())[1:]:
+        if name in hints and not _matches(value, hints[name]):
+            where = f"kwargs.{name}" if name in kwargs else f"args.{names.index(name)}"
+            raise RPCArgumentError(f"{method}: {name} must be {_describe(hints[name])}, got {value!r:.60}", where)
+    return bound
+
+
+def call(target, method: str, args: Iterable = (), kwargs: dict | None = None) -> Any:
+    """Check, then run `method` on `target` (an `LLM` or `LLMEngine`); returns its result."""
+    bound = check(method, args, kwargs)
+    return METHODS[method](target, *list(bound.args)[1:], **bound.kwargs)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_matches(value, option) for option in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (str, bool):
+        return isinstance(value, hint)
+    return True  # e.g. Iterable of (name, tensor): the engine checks it
+
+
+def _describe(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("NoneType", "None").replace("<class '", "").replace("'>", "")

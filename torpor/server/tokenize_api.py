@@ -1,0 +1,92 @@
+"""vLLM's `/tokenize` and `/detokenize` (same bodies, same answers), behind the API key.
+
+POST /tokenize {"prompt": text, "add_special_tokens": true} or {"messages": [...], "add_generation_prompt":
+true, "continue_final_message": false, "add_special_tokens": false, "chat_template_kwargs": {...}, "tools":
+[...]}, either with "return_token_strs" -> {"count", "max_model_len", "tokens", "token_strs"}.
+POST /detokenize {"tokens": [ids]} -> {"prompt": text}.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from torpor.engine.chat_template import ChatTemplateError
+from torpor.server.auth import require_api_key
+from torpor.server.errors import APIError
+
+if TYPE_CHECKING:
+    from torpor.server.app import ServerState
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+
+
+class TokenizeCompletionRequest(_Request):
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(_Request):
+    tokens: list[int]
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict:
+    server: ServerState = request.app.state.server
+    _check_model(server, body.model)
+    tokenizer = server.engine.tokenizer
+    text = _render(tokenizer, body) if isinstance(body, TokenizeChatRequest) else body.prompt
+    tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": server.engine.config.max_model_len, "tokens": tokens,
+            "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    server: ServerState = request.app.state.server
+    _check_model(server, body.model)
+    vocab_size = server.engine.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}",
+                       param="tokens")
+    return {"prompt": server.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+def _render(tokenizer, body: TokenizeChatRequest) -> str:
+    if body.chat_template is not None:  # templates are code: only the server's own run
+        raise APIError(400, "chat_template in a request is not accepted; the server uses its model's template "
+                            "(or --chat-template)", param="chat_template", code="unsupported_parameter")
+    try:
+        return tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message, tools=body.tools,
+                                             **(body.chat_template_kwargs or {}))
+    except ChatTemplateError as exc:
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    except (ValueError, TypeError) as exc:  # no template, malformed messages, clashing options
+        raise APIError(400, str(exc), param="messages") from None
+
+
+def _check_model(server: ServerState, model: str | None) -> None:
+    if model is not None and model != server.config.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {server.config.model_name!r}",
+                       param="model", code="model_not_found")
