@@ -50,6 +50,7 @@ class LLMEngine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is an empty string")
@@ -71,7 +72,7 @@ class LLMEngine:
 
     def add_sequence(self, seq: Sequence) -> str:
         self.scheduler.add(seq)
-        self._texts[seq.request_id] = _Text(self.tokenizer, seq.sampling_params.stop)
+        self._texts[seq.request_id] = _Text(self.tokenizer, seq.sampling_params)
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -226,11 +227,14 @@ class LLMEngine:
 
 
 class _Text:
-    """The output text of one request, grown token by token, cut before the first stop string."""
+    """The output text of one request, grown token by token, cut before the first stop string (after it
+    with include_stop_str_in_output; stop strings count only after min_tokens output tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.tokenizer, self.stop = tokenizer, params.stop
+        self.skip_special_tokens, self.min_tokens = params.skip_special_tokens, params.min_tokens
+        self.keep_stop = params.include_stop_str_in_output
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.skip_special_tokens)
         self.text = ""
         self.stopped = False
 
@@ -246,14 +250,16 @@ class _Text:
             # A stop string may straddle the old text and the delta: search from where it could start.
             search_from = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
             self.text += delta
+            if len(self.detokenizer.token_ids) <= self.min_tokens:
+                continue
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
             if hits:
                 index, stop = min(hits)
-                self.text, self.stopped = self.text[:index], True
+                self.text, self.stopped = self.text[:index + len(stop) if self.keep_stop else index], True
                 return stop
         return None
 
     def final(self, output_token_ids: list[int]) -> str:
         """The finished text; without a stop string, a full decode (it includes any bytes the incremental
         detokenizer still held back for an unfinished character)."""
-        return self.text if self.stopped else self.tokenizer.decode(output_token_ids)
+        return self.text if self.stopped else self.tokenizer.decode(output_token_ids, self.skip_special_tokens)
