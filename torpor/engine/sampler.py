@@ -180,16 +180,33 @@ class Sampler:
         return self._inputs[:, :n].copy_(self._staging[:, :n], non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Temperature, top-k, top-p, then an inverse-CDF draw; [num_seqs] int64 token ids."""
+        """Temperature, min_p, top-k, top-p, then an inverse-CDF draw; [num_seqs] int64 token ids."""
+        inputs = self._load_inputs(seqs, logits.shape[1])
+        use_min_p = any(seq.sampling_params.min_p > 0 for seq in seqs)
+        filters = [seq.sampling_params.needs_filter for seq in seqs]
+        if all(filters) or not any(filters):
+            return self._draw(logits, inputs, filters[0], use_min_p)
+        # A row's draw must not depend on its neighbours: rows that filter walk the vocabulary sorted by
+        # probability, the others in id order (the same random number picks another token), so the two
+        # groups are drawn apart.
+        picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for needs_filter in (False, True):
+            rows = [i for i, f in enumerate(filters) if f == needs_filter]
+            index = torch.tensor(rows).to(logits.device, non_blocking=True)
+            group = self._draw(logits.index_select(0, index), inputs.index_select(1, index), needs_filter, use_min_p)
+            picked.index_copy_(0, index, group)
+        return picked
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, inputs: torch.Tensor, needs_filter: bool, use_min_p: bool) -> torch.Tensor:
+        """The draw of `_sample` for rows that all filter (top-k/top-p: sorted vocabulary) or none do."""
         vocab_size = logits.shape[1]
-        inputs = self._load_inputs(seqs, vocab_size)
         temperature = inputs[0].float()
         probs = torch.softmax(logits / temperature[:, None], dim=-1)       # [num_seqs, vocab]
-        if any(seq.sampling_params.min_p > 0 for seq in seqs):
+        if use_min_p:
             # min_p: drop tokens below min_p times the row's most likely one (rows with 0 keep all).
             min_p = inputs[4].float()
             probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-        needs_filter = any(seq.sampling_params.needs_filter for seq in seqs)
         if needs_filter:
             # Stable sort: ties keep token-id order, so top-k cuts are deterministic.
             probs, order = probs.sort(dim=-1, descending=True, stable=True)
