@@ -1,13 +1,18 @@
-"""The sampling options vLLM users pass (penalties, min_p, min_tokens, logit_bias) against a plain PyTorch
-reference written here, per option and combined; the token history that feeds the penalties; batch
-independence with every option in the mix. End to end through `LLM.generate`: test_llm_sampling_options.py."""
+"""The sampling options vLLM users pass (penalties, min_p, min_tokens, logit_bias, stop_token_ids,
+skip_special_tokens, include_stop_str_in_output) against a plain PyTorch reference written here, per option
+and combined; the token history that feeds the penalties; batch independence with every option in the mix;
+then end to end through `LLM.generate` on the tiny model (against the reference over transformers' logits,
+and transformers' own repetition penalty), sleep and wake included."""
 
 import pytest
 import torch
+import transformers
 
+from torpor.engine import LLM
 from torpor.engine.sampler import Sampler, TokenHistory
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.sequence import Sequence
+from torpor.memory import MemoryManager
 
 VOCAB = 48
 EOS = (46, 47)
@@ -210,3 +215,155 @@ def test_state_bytes_counts_every_buffer():
     s = Sampler(16, "cpu", 100, EOS)
     buffers = [s._inputs, s.history.rows]
     assert Sampler.state_bytes(16, 100) == sum(t.nbytes for t in buffers) == 16 * 5 * 8 + 16 * 100 * 4
+
+
+# ---- end to end: LLM.generate on the tiny model -----------------------------------------------
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4, block_size=4)
+PROMPTS = ["def greet(name):", [5, 6, 7, 5, 6, 7, 5, 6], "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    return LLM(tiny_model_path, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_path):
+    return transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def prompt_ids(llm: LLM, prompt) -> list[int]:
+    return llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def reference_greedy(hf, prompt: list[int], p: SamplingParams, eos: tuple[int, ...]) -> list[int]:
+    """Greedy decoding over transformers' logits with `reference_logits` and the engine's stop rules."""
+    output: list[int] = []
+    while len(output) < p.max_tokens:
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + output])).logits[0, -1].float()
+        token = reference_logits(logits, prompt, output, p, eos).argmax().item()
+        output.append(token)
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
+            break
+    return output
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 20, "ignore_eos": True, **kw})
+
+
+E2E_OPTIONS = {
+    "repetition": greedy(repetition_penalty=1.8),
+    "frequency+presence": greedy(frequency_penalty=1.5, presence_penalty=0.8),
+    "combined": greedy(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.5, min_tokens=6,
+                       logit_bias={1023: 6.0, 7: 1.5}, stop_token_ids=[9], ignore_eos=False),
+}
+
+
+@pytest.mark.parametrize("name", E2E_OPTIONS)
+def test_generate_equals_the_reference_over_transformers_logits(tiny, hf, name):
+    params = E2E_OPTIONS[name]
+    eos = tiny.engine.model_runner.model_config.eos_token_ids
+    outputs = tiny.generate(PROMPTS, params)
+    plain = tiny.generate(PROMPTS, greedy())
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert out.outputs[0].token_ids == reference_greedy(hf, prompt_ids(tiny, prompt), params, eos)
+    assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in plain]
+
+
+def test_repetition_penalty_equals_transformers_generate(tiny, hf):
+    prompt = PROMPTS[1]
+    out = tiny.generate([prompt], greedy(repetition_penalty=1.6))[0].outputs[0].token_ids
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=1.6,
+                      eos_token_id=None, pad_token_id=0)
+    assert out == ref[0, len(prompt):].tolist()
+    assert out != tiny.generate([prompt], greedy())[0].outputs[0].token_ids
+
+
+def test_logit_bias_forces_a_token(tiny):
+    out = tiny.generate(PROMPTS[:1], greedy(max_tokens=8, logit_bias={321: 100}))[0].outputs[0]
+    assert out.token_ids == [321] * 8
+    seeded = SamplingParams(max_tokens=8, seed=5, logit_bias={321: 100}, ignore_eos=True)
+    assert tiny.generate(PROMPTS[:1], seeded)[0].outputs[0].token_ids == [321] * 8
+
+
+def test_min_tokens_delays_eos(tiny):
+    eager = dict(logit_bias={1023: 100}, ignore_eos=False)  # eos is the argmax every step
+    out = tiny.generate(PROMPTS[:1], greedy(**eager))[0].outputs[0]
+    assert out.token_ids == [1023] and out.finish_reason == "stop"
+    delayed = tiny.generate(PROMPTS[:1], greedy(min_tokens=5, **eager))[0].outputs[0]
+    assert len(delayed.token_ids) == 6 and delayed.token_ids[-1] == 1023 and 1023 not in delayed.token_ids[:5]
+    assert delayed.finish_reason == "stop"
+
+
+def test_stop_token_ids_end_the_output_even_with_ignore_eos(tiny):
+    out = tiny.generate(PROMPTS[:1], greedy(logit_bias={77: 100}, stop_token_ids=[77]))[0].outputs[0]
+    assert out.token_ids == [77] and out.finish_reason == "stop" and out.stop_reason == 77
+    held = tiny.generate(PROMPTS[:1], greedy(logit_bias={77: 100}, stop_token_ids=[77], min_tokens=3))[0].outputs[0]
+    assert len(held.token_ids) == 4 and held.token_ids[-1] == 77 and held.stop_reason == 77
+
+
+def test_skip_special_tokens(tiny):
+    forced = dict(max_tokens=3, logit_bias={1023: 100})  # <|im_end|>, with ignore_eos
+    assert tiny.generate(PROMPTS[:1], greedy(**forced))[0].outputs[0].text == ""
+    kept = tiny.generate(PROMPTS[:1], greedy(skip_special_tokens=False, **forced))[0].outputs[0]
+    assert kept.text == "<|im_end|>" * 3
+    with_stop = greedy(skip_special_tokens=False, stop=["end|>"], **forced)
+    assert tiny.generate(PROMPTS[:1], with_stop)[0].outputs[0].text == "<|im_"
+
+
+def test_include_stop_str_in_output_and_min_tokens_with_stop_strings(tiny):
+    full = tiny.generate(PROMPTS[:1], greedy(max_tokens=24))[0].outputs[0].text
+    start = next(i for i in range(3, len(full) - 3) if full.index(full[i:i + 3]) == i)  # first occurrence
+    stop = full[start:start + 3]
+    cut = tiny.generate(PROMPTS[:1], greedy(max_tokens=24, stop=[stop]))[0].outputs[0]
+    kept = tiny.generate(PROMPTS[:1], greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0]
+    assert cut.text == full[:start] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert kept.outputs[0].text == full[:start + 3] and kept.outputs[0].stop_reason == stop
+    # Before min_tokens output tokens a stop string does not end the output.
+    late = tiny.generate(PROMPTS[:1], greedy(max_tokens=24, stop=[stop], min_tokens=24))[0].outputs[0]
+    assert late.text == full and late.finish_reason == "length"
+
+
+def test_seeded_options_do_not_depend_on_the_batch(tiny):
+    target = SamplingParams(max_tokens=16, seed=42, repetition_penalty=1.2, presence_penalty=0.5, min_p=0.05,
+                            frequency_penalty=0.3, logit_bias={5: 1.0}, ignore_eos=True)
+    alone = tiny.generate(PROMPTS[2:], target)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=12, seed=1, top_p=0.8, ignore_eos=True), greedy(max_tokens=5),
+              SamplingParams(max_tokens=20, seed=2, frequency_penalty=2.0, ignore_eos=True)]
+    batch = tiny.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0]], [others[0], target, *others[1:]])
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_bad_logit_bias_is_refused_and_the_engine_serves_on(tiny):
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 1024\)"):
+        tiny.generate(PROMPTS, greedy(logit_bias={1024: 1.0}))
+    assert tiny.engine.is_finished()
+    assert len(tiny.generate(PROMPTS[:1], greedy(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_history_lives_in_the_runtime_tag_and_survives_sleep(tiny_model_path):
+    memory = MemoryManager("cpu")
+    llm = LLM(tiny_model_path, memory=memory, **ENGINE)
+    history = llm.engine.model_runner.sampler.history.rows
+    segment = memory._backend.find(history.data_ptr())
+    assert segment is not None and segment.tag == "runtime"
+    params = [greedy(repetition_penalty=1.5, presence_penalty=1.0), SamplingParams(
+        max_tokens=20, seed=3, frequency_penalty=1.0, ignore_eos=True)] * 2
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2] * 2, params)]
+    for tag in memory.tags():
+        memory.seal(tag)  # steps allocate nothing in a tag
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:2] * 2, params, strict=True)]
+    for _ in range(6):
+        engine.step()
+    # Mid-request: offload the runtime state (the history), drop the KV cache, wake; the requests recompute.
+    memory.sleep({"weights": "offload", "kv_cache": "discard", "runtime": "offload"})
+    memory.wake()
+    engine.scheduler.reset_blocks()
+    done = {}
+    while not engine.is_finished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    assert [done[i] for i in ids] == expected
+    assert memory.audit().late_allocations == ()

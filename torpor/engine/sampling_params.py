@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0       # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI, vLLM)
@@ -143,10 +144,10 @@ class SamplingParams:
         """Whether sampling reads the tokens so far (a penalty is on)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
+    @cached_property
     def needs_logits_processing(self) -> bool:
         """Whether the logits change before temperature (penalties, logit_bias, min_tokens); requests
-        without any of these take the sampler's unchanged fast path."""
+        without any of these take the sampler's unchanged fast path (cached: the check runs per step)."""
         return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
 
     def check_vocab(self, vocab_size: int) -> None:
