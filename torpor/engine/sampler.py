@@ -246,7 +246,7 @@ class TokenHistory:
     def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
         self.max_model_len = max_model_len
         self.rows = torch.zeros(max_num_seqs, max_model_len, dtype=torch.int32, device=device)
-        self._slot: dict[Sequence, int] = {}               # owner -> row (identity: Sequence has no __eq__)
+        self._slot: dict[int, int] = {}                    # id(owner) -> row; owners are held, so ids stay unique
         self._owner: list[Sequence | None] = [None] * max_num_seqs
         self._written = [0] * max_num_seqs                 # tokens of the owner in its row
         self._last_used = [-1] * max_num_seqs              # step of last use (LRU)
@@ -277,13 +277,13 @@ class TokenHistory:
     def _sync(self, seqs: list[Sequence]) -> list[int]:
         """The row of each of `seqs`, with every token of it written; one upload for all of them."""
         self._step += 1
-        batch = set(seqs)
+        batch = {id(seq) for seq in seqs}
         slots, rows, positions, tokens = [], [], [], []
         for seq in seqs:
             if len(seq) > self.max_model_len:
                 raise ValueError(f"request {seq.request_id!r} has {len(seq)} tokens, more than the token "
                                  f"history holds ({self.max_model_len})")
-            slot = self._slot.get(seq)
+            slot = self._slot.get(id(seq))
             if slot is None:
                 slot = self._claim(seq, batch)
             start = self._written[slot]
@@ -297,15 +297,15 @@ class TokenHistory:
             self.rows.index_put_((upload[0], upload[1]), upload[2].int())
         return slots
 
-    def _claim(self, seq: Sequence, batch: set[Sequence]) -> int:
-        free = [i for i, owner in enumerate(self._owner) if owner is None or owner not in batch]
+    def _claim(self, seq: Sequence, batch: set[int]) -> int:
+        free = [i for i, owner in enumerate(self._owner) if owner is None or id(owner) not in batch]
         if not free:
             raise ValueError(f"more than {len(self._owner)} penalized requests in one batch")
         slot = min(free, key=lambda i: (self._owner[i] is not None, self._last_used[i]))
         old = self._owner[slot]
         if old is not None:
-            del self._slot[old]
-        self._owner[slot], self._slot[seq], self._written[slot] = seq, slot, 0
+            del self._slot[id(old)]
+        self._owner[slot], self._slot[id(seq)], self._written[slot] = seq, slot, 0
         return slot
 
 
