@@ -81,6 +81,25 @@ def test_include_stop_str_in_output(server):
     assert cut.choices[0].text == full[:start] and kept.choices[0].text == full[:start + 2]
 
 
+def test_streamed_text_equals_the_whole_text(server):
+    llm, client, _ = server
+    # <|im_end|> first (biased), then ordinary text (the repetition penalty divides its biased logit).
+    special_first = {"logit_bias": {str(EOS): 50}, "extra_body": {"ignore_eos": True, "repetition_penalty": 50,
+                                                                  "skip_special_tokens": False}}
+    full = engine_text(llm, PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)
+    start = next(i for i in range(2, len(full) - 2) if full.index(full[i:i + 2]) == i)
+    keep_stop = {"stop": [full[start:start + 2]],
+                 "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
+    for extra in (special_first, keep_stop):
+        body = dict(model="tiny", prompt=PROMPT, temperature=0, max_tokens=12, **extra)
+        whole = client.completions.create(**body).choices[0].text
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**body, stream=True)
+                           if chunk.choices)
+        assert streamed == whole
+        assert whole.startswith("<|im_end|>") and len(whole) > 12 if extra is special_first else \
+            whole == full[:start + 2]
+
+
 def test_chat_passes_the_options(server):
     llm, client, _ = server
     chat = client.chat.completions.create(

@@ -161,7 +161,7 @@ async def _stream_events(stream: RequestStream, fmt: ResponseFormat, params: Sam
     """Server-sent events: an opening chunk (chat), one chunk per step's tokens, the final chunk with
     the finish reason, the usage (if asked for), then `[DONE]`. An engine error ends the stream with
     an error event."""
-    text = StreamText(fmt.tokenizer, params.stop)
+    text = StreamText(fmt.tokenizer, params.stop, params.skip_special_tokens)
     num_received = 0
     try:
         opening = fmt.opening_chunk()

@@ -112,8 +112,8 @@ class StreamText:
     characters are held back: they may begin a stop string the engine will cut. The final chunk sends
     the rest of the engine's final text, so the streamed text always equals the non-streamed one."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool = True) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.num_sent = 0  # characters of `text` sent
