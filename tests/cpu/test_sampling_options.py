@@ -201,6 +201,11 @@ def test_history_counts_with_rows_taken_back_and_rebuilt():
             seq.append_token(int(torch.randint(0, VOCAB, (), generator=g)))
     with pytest.raises(ValueError, match="in one batch"):
         history.counts(seqs[:3], VOCAB)
+    history.rows.fill_(7)  # contents lost (e.g. a discarded tag): reset rebuilds the rows from the sequences
+    history.reset()
+    seen, counts = history.counts(seqs[:2], VOCAB)
+    assert all(torch.equal(seen[i], reference_counts(seq)[0]) and torch.equal(counts[i], reference_counts(seq)[1])
+               for i, seq in enumerate(seqs[:2]))
 
 
 def test_history_limits():

@@ -297,6 +297,12 @@ class TokenHistory:
             self.rows.index_put_((upload[0], upload[1]), upload[2].int())
         return slots
 
+    def reset(self) -> None:
+        """Forget every row (for a caller that lost the rows' contents; sleep levels 1-2 offload them)."""
+        self._slot.clear()
+        self._owner = [None] * len(self._owner)
+        self._written = [0] * len(self._written)
+
     def _claim(self, seq: Sequence, batch: set[int]) -> int:
         free = [i for i, owner in enumerate(self._owner) if owner is None or id(owner) not in batch]
         if not free:
