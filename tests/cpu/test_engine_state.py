@@ -233,7 +233,7 @@ def test_output_text_holds_back_a_possible_stop_string(tiny_model_path):
 
     tokenizer = Tokenizer.from_pretrained(tiny_model_path)
     ids = tokenizer.encode("hello world, good night", add_special_tokens=False)
-    text = OutputText(tokenizer, ("good night",), incremental=True)
+    text = OutputText(tokenizer, SamplingParams(stop="good night"), incremental=True)
     emitted = ""
     for n in range(1, len(ids) + 1):
         stop = text.update(ids[:n])

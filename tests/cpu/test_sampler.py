@@ -127,3 +127,16 @@ def test_bad_inputs():
     unseeded = Sequence("u", [1], SamplingParams())
     with pytest.raises(ValueError, match="sampling seed"):
         sampler(random_logits(1), [unseeded])
+
+
+def test_an_unfiltered_row_draws_the_same_beside_a_top_p_row():
+    """A defect of the first sampler: one top-k/top-p row sorted the whole batch's vocabulary, so a
+    seeded request without them drew another token than alone."""
+    plain = dict(temperature=0.9, seed=21)
+    alone = sample_steps(Sampler(4), [make_seq("p", **plain)], lambda s: random_logits(1, s, scale=1.0), 10)[0]
+
+    def pair_logits(step):
+        return torch.cat([random_logits(1, step, scale=1.0), random_logits(1, 500 + step)])
+
+    crowd = [make_seq("p", **plain), make_seq("f", top_p=0.9, seed=3)]
+    assert sample_steps(Sampler(4), crowd, pair_logits, 10)[0] == alone

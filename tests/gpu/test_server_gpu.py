@@ -31,7 +31,8 @@ def server(tmp_path_factory):
     llm = LLM(str(path), device="cuda", max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=256)
     sock = bind_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv = uvicorn.Server(uvicorn.Config(build_app(llm, ServerConfig("tiny", admin_token=ADMIN)), log_level="warning"))
+    app = build_app(llm.engine, ServerConfig("tiny", admin_token=ADMIN))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -109,6 +109,10 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
                                "sampling_params")
+        try:
+            params.check_vocab(self.vocab_size)
+        except ValueError as exc:
+            raise RequestError(str(exc), "logit_bias") from None
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         token_ids, text = self._prompt_tokens(prompt)
@@ -147,7 +151,7 @@ class LLMEngine:
         deltas) every step the request gains tokens; otherwise only once it is finished."""
         self.scheduler.add(seq)
         params = seq.sampling_params
-        self._requests[seq.request_id] = _Request(seq, OutputText(self.tokenizer, params.stop, stream), stream)
+        self._requests[seq.request_id] = _Request(seq, OutputText(self.tokenizer, params, stream), stream)
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -7,7 +7,7 @@ buffer lands where sleep mode expects it:
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model + load_weights (parameters and the RoPE table)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
-    runtime      the decode buffers, the sampler's state, and nested in it:
+    runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache
     workspace    GPU: the Triton decode workspace
     cuda_graph   GPU: the pool of the decode CUDA graphs
@@ -114,7 +114,8 @@ class ModelRunner:
         """Device memory allocated after the KV cache besides the graph pool: decode buffers, workspace."""
         buffers = config.max_num_seqs * (3 * 8 + 4 * (1 + config.max_num_blocks_per_seq)
                                          + self.model_config.hidden_size * self.dtype.itemsize)
-        return buffers + 4 * self._workspace_numel(config)
+        sampler = Sampler.state_bytes(config.max_num_seqs, config.max_model_len)
+        return buffers + sampler + 4 * self._workspace_numel(config)
 
     def _workspace_numel(self, config: EngineConfig) -> int:
         from torpor.engine.attention.triton_decode import decode_workspace_shape
@@ -133,7 +134,7 @@ class ModelRunner:
                                                   self.device)
             self.buffers = DecodeBuffers(config.max_num_seqs, config.max_num_blocks_per_seq, m.hidden_size,
                                          self.dtype, self.device, config.block_size, config.num_kv_blocks)
-            self.sampler = Sampler(config.max_num_seqs, self.device)
+            self.sampler = Sampler(config.max_num_seqs, self.device, config.max_model_len, m.eos_token_ids)
         if self.device.type == "cuda":
             from torpor.engine.attention.triton_decode import alloc_decode_workspace
 

@@ -14,12 +14,27 @@ graph memory), and it is a handful of kernels next to the model's hundreds. It m
 sync before the final copy of the token ids, and its per-step inputs live in one persistent
 buffer (allocate the Sampler inside the runtime memory tag), so capturing it later stays open.
 
-Logprobs are log_softmax of the *unmodified* logits (before temperature, top-k, top-p): the
-model's own distribution, comparable across sampling settings (vLLM's default "raw" logprobs).
+Logprobs are log_softmax of the *unmodified* logits (before every option below): the model's own
+distribution, comparable across sampling settings (vLLM's default "raw" logprobs).
+
+Logits processing (vLLM's order), only for the rows of requests that ask for it: logit_bias is added;
+min_tokens masks the stop tokens (eos unless ignore_eos, stop_token_ids) to -inf; repetition_penalty
+divides positive / multiplies negative logits of every token of the prompt and the output so far;
+frequency_penalty and presence_penalty subtract per output occurrence / once. These steer greedy picks
+too. Then temperature, min_p (relative to the most likely token), top-k, top-p, the draw. Every step is
+row-wise, so a request's tokens do not depend on what shares its batch. A batch in which no request uses
+these options runs exactly the code it ran before them (one `any` over the params decides).
+
+Token history. The penalties read each request's tokens so far from `TokenHistory`: per-request rows of
+token ids kept on the device, allocated once at start-up (in the runtime tag) and grown by one token per
+step, instead of [max_num_seqs, vocab] count tensors: max_num_seqs * max_model_len * 4 bytes (256 x 4096:
+4 MiB) against max_num_seqs * vocab * 5 bytes (256 x 151936 Qwen vocab: 186 MiB) held by every engine.
+The counts are rebuilt per step by a scatter over the penalized rows only (a temporary).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -52,16 +67,26 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Picks the next token of every sequence from its float32 logits."""
+    """Picks the next token of every sequence from its float32 logits. `max_model_len` sizes the token
+    history of the penalties (0: no history, penalties are refused); `eos_token_ids` are what min_tokens
+    holds back. Construct it inside the runtime memory tag: its buffers are per-request state."""
 
-    def __init__(self, max_num_seqs: int, device: torch.device | str = "cpu"):
+    def __init__(self, max_num_seqs: int, device: torch.device | str = "cpu", max_model_len: int = 0,
+                 eos_token_ids: Iterable[int] = ()):
         self.device = torch.device(device)
-        # Rows: temperature, top_p, top_k, random bits (all exact in float64). One host->device
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        # Rows: temperature, top_p, top_k, random bits, min_p (all exact in float64). One host->device
         # copy per step; the host side is pinned on CUDA so the copy is asynchronous (reusing it
         # next step is safe: each call ends by syncing on the token ids).
-        self._inputs = torch.zeros(4, max_num_seqs, dtype=torch.float64, device=self.device)
-        self._staging = torch.zeros(4, max_num_seqs, dtype=torch.float64,
+        self._inputs = torch.zeros(5, max_num_seqs, dtype=torch.float64, device=self.device)
+        self._staging = torch.zeros(5, max_num_seqs, dtype=torch.float64,
                                     pin_memory=self.device.type == "cuda")
+        self.history = TokenHistory(max_num_seqs, max_model_len, self.device)
+
+    @staticmethod
+    def state_bytes(max_num_seqs: int, max_model_len: int) -> int:
+        """Device bytes a Sampler allocates (what start-up must leave free after the KV cache)."""
+        return 5 * max_num_seqs * 8 + TokenHistory.state_bytes(max_num_seqs, max_model_len)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: [num_seqs, vocab] float32, row i for seqs[i]."""
@@ -72,6 +97,9 @@ class Sampler:
         if num_seqs > self._inputs.shape[1]:
             raise ValueError(f"{num_seqs} sequences exceed max_num_seqs ({self._inputs.shape[1]})")
         params = [seq.sampling_params for seq in seqs]
+        raw_logits = logits  # logprobs are those of the model's own distribution
+        if any(p.needs_logits_processing for p in params):
+            logits = self._process_logits(logits, seqs)
         token_ids = logits.argmax(dim=-1)                                   # [num_seqs]
         if not all(p.is_greedy for p in params):
             sampled = self._sample(logits, seqs)
@@ -82,17 +110,61 @@ class Sampler:
         if logprob_rows:
             num_top = [params[i].logprobs for i in logprob_rows]
             if len(logprob_rows) == num_seqs:
-                dicts = _logprob_dicts(logits, token_ids, num_top)
+                dicts = _logprob_dicts(raw_logits, token_ids, num_top)
             else:
                 rows = torch.tensor(logprob_rows).to(logits.device, non_blocking=True)
-                dicts = _logprob_dicts(logits.index_select(0, rows), token_ids.index_select(0, rows), num_top)
+                dicts = _logprob_dicts(raw_logits.index_select(0, rows), token_ids.index_select(0, rows), num_top)
             for i, d in zip(logprob_rows, dicts, strict=True):
                 logprobs[i] = d
         return SamplerOutput(token_ids.tolist(), logprobs)
 
+    def _process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A copy of `logits` with logit_bias, min_tokens and the penalties applied to the rows that use
+        them (the other rows are copied unchanged). Row-wise only: batch-independent."""
+        logits = logits.clone()
+        biases = [(i, t, b) for i, seq in enumerate(seqs) for t, b in seq.sampling_params.logit_bias]
+        if biases:
+            rows, ids, values = zip(*biases, strict=True)
+            index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
+            bias = torch.tensor(values, dtype=torch.float32).to(logits.device, non_blocking=True)
+            logits.index_put_((index[0], index[1]), logits[index[0], index[1]] + bias)
+        banned = [(i, t) for i, seq in enumerate(seqs) for t in self._held_back(seq)]
+        if banned:
+            index = torch.tensor(banned).T.to(logits.device, non_blocking=True)
+            logits.index_put_((index[0], index[1]), torch.tensor(-torch.inf, device=logits.device))
+        penalized = [i for i, seq in enumerate(seqs) if seq.sampling_params.needs_history]
+        if penalized:
+            self._apply_penalties(logits, [seqs[i] for i in penalized], penalized)
+        return logits
+
+    def _held_back(self, seq: Sequence) -> tuple[int, ...]:
+        """The stop tokens min_tokens masks at this step (none once the output is long enough)."""
+        p = seq.sampling_params
+        if seq.num_output_tokens >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else self.eos_token_ids
+        return tuple(sorted(set(p.stop_token_ids) | set(eos)))
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """Repetition, frequency and presence penalties on `logits[rows]` (in place)."""
+        vocab_size = logits.shape[1]
+        seen, output_counts = self.history.counts(seqs, vocab_size)            # [P, vocab] bool, int32
+        params = [seq.sampling_params for seq in seqs]
+        values = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                               [p.presence_penalty for p in params]], dtype=torch.float32)
+        values = values.to(logits.device, non_blocking=True)
+        index = torch.tensor(rows).to(logits.device, non_blocking=True)
+        x = logits.index_select(0, index)                                       # [P, vocab]
+        repetition = values[0][:, None]
+        penalized = torch.where(x > 0, x / repetition, x * repetition)
+        x = torch.where(seen, penalized, x)
+        x = x - values[1][:, None] * output_counts.float()
+        x = x - values[2][:, None] * (output_counts > 0).float()
+        logits.index_copy_(0, index, x)
+
     def _load_inputs(self, seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
-        """Per-sequence sampling inputs as a [4, num_seqs] float64 device tensor."""
-        rows = [[], [], [], []]
+        """Per-sequence sampling inputs as a [5, num_seqs] float64 device tensor."""
+        rows = [[], [], [], [], []]
         for seq in seqs:
             p = seq.sampling_params
             if seq.sampling_seed is None:
@@ -102,17 +174,39 @@ class Sampler:
             rows[1].append(p.top_p)
             rows[2].append(vocab_size if p.top_k == -1 else min(p.top_k, vocab_size))
             rows[3].append(random_bits(seq.sampling_seed, seq.num_output_tokens))
+            rows[4].append(p.min_p)
         n = len(seqs)
         self._staging[:, :n].copy_(torch.tensor(rows, dtype=torch.float64))
         return self._inputs[:, :n].copy_(self._staging[:, :n], non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Temperature, top-k, top-p, then an inverse-CDF draw; [num_seqs] int64 token ids."""
+        """Temperature, min_p, top-k, top-p, then an inverse-CDF draw; [num_seqs] int64 token ids."""
+        inputs = self._load_inputs(seqs, logits.shape[1])
+        use_min_p = any(seq.sampling_params.min_p > 0 for seq in seqs)
+        filters = [seq.sampling_params.needs_filter for seq in seqs]
+        if all(filters) or not any(filters):
+            return self._draw(logits, inputs, filters[0], use_min_p)
+        # A row's draw must not depend on its neighbours: rows that filter walk the vocabulary sorted by
+        # probability, the others in id order (the same random number picks another token), so the two
+        # groups are drawn apart.
+        picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for needs_filter in (False, True):
+            rows = [i for i, f in enumerate(filters) if f == needs_filter]
+            index = torch.tensor(rows).to(logits.device, non_blocking=True)
+            group = self._draw(logits.index_select(0, index), inputs.index_select(1, index), needs_filter, use_min_p)
+            picked.index_copy_(0, index, group)
+        return picked
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, inputs: torch.Tensor, needs_filter: bool, use_min_p: bool) -> torch.Tensor:
+        """The draw of `_sample` for rows that all filter (top-k/top-p: sorted vocabulary) or none do."""
         vocab_size = logits.shape[1]
-        inputs = self._load_inputs(seqs, vocab_size)
         temperature = inputs[0].float()
         probs = torch.softmax(logits / temperature[:, None], dim=-1)       # [num_seqs, vocab]
-        needs_filter = any(seq.sampling_params.needs_filter for seq in seqs)
+        if use_min_p:
+            # min_p: drop tokens below min_p times the row's most likely one (rows with 0 keep all).
+            min_p = inputs[4].float()
+            probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         if needs_filter:
             # Stable sort: ties keep token-id order, so top-k cuts are deterministic.
             probs, order = probs.sort(dim=-1, descending=True, stable=True)
@@ -136,6 +230,89 @@ class Sampler:
         if needs_filter:
             picked = order.gather(1, picked)
         return picked.squeeze(1)
+
+
+class TokenHistory:
+    """The tokens so far (prompt + output) of the requests that use penalties, on the device.
+
+    `rows` [max_num_seqs, max_model_len] int32 is allocated once; a request gets a row the first step
+    it needs one and keeps it while it is sampled. Each step uploads only the tokens a row lacks (one
+    per decode step; the whole sequence when a request first needs a row, or after it lost its row).
+    A row is taken back, least recently used first, only from a request that is not in the current
+    batch; at most max_num_seqs requests share a batch, so one is always free. The host bookkeeping
+    says which request owns which row and how many of its tokens are written: a row is always read
+    with its owner's length, so stale tokens past it are never counted."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        self.max_model_len = max_model_len
+        self.rows = torch.zeros(max_num_seqs, max_model_len, dtype=torch.int32, device=device)
+        self._slot: dict[int, int] = {}                    # id(owner) -> row; owners are held, so ids stay unique
+        self._owner: list[Sequence | None] = [None] * max_num_seqs
+        self._written = [0] * max_num_seqs                 # tokens of the owner in its row
+        self._last_used = [-1] * max_num_seqs              # step of last use (LRU)
+        self._step = 0
+
+    @staticmethod
+    def state_bytes(max_num_seqs: int, max_model_len: int) -> int:
+        return max_num_seqs * max_model_len * 4
+
+    def counts(self, seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each of `seqs`: which tokens occur in prompt or output ([P, vocab] bool) and how often
+        each occurs in the output ([P, vocab] int32). Exact integers: the same whatever the batch."""
+        if self.max_model_len == 0:
+            raise ValueError("this Sampler keeps no token history (max_model_len=0): penalties are off")
+        slots = self._sync(seqs)
+        width = max(len(seq) for seq in seqs)
+        meta = torch.tensor([slots, [len(s) for s in seqs], [s.num_prompt_tokens for s in seqs]])
+        meta = meta.to(self.rows.device, non_blocking=True)
+        tokens = self.rows[:, :width].index_select(0, meta[0]).long()           # [P, width]
+        positions = torch.arange(width, device=self.rows.device)[None, :]
+        in_sequence = positions < meta[1][:, None]                               # [P, width]
+        in_output = in_sequence & (positions >= meta[2][:, None])
+        zeros = torch.zeros(len(seqs), vocab_size, dtype=torch.int32, device=self.rows.device)
+        seen = zeros.scatter_add(1, tokens, in_sequence.int()) > 0
+        output_counts = zeros.scatter_add_(1, tokens, in_output.int())
+        return seen, output_counts
+
+    def _sync(self, seqs: list[Sequence]) -> list[int]:
+        """The row of each of `seqs`, with every token of it written; one upload for all of them."""
+        self._step += 1
+        batch = {id(seq) for seq in seqs}
+        slots, rows, positions, tokens = [], [], [], []
+        for seq in seqs:
+            if len(seq) > self.max_model_len:
+                raise ValueError(f"request {seq.request_id!r} has {len(seq)} tokens, more than the token "
+                                 f"history holds ({self.max_model_len})")
+            slot = self._slot.get(id(seq))
+            if slot is None:
+                slot = self._claim(seq, batch)
+            start = self._written[slot]
+            rows += [slot] * (len(seq) - start)
+            positions += range(start, len(seq))
+            tokens += seq.token_ids[start:]
+            self._written[slot], self._last_used[slot] = len(seq), self._step
+            slots.append(slot)
+        if tokens:
+            upload = torch.tensor([rows, positions, tokens]).to(self.rows.device, non_blocking=True)
+            self.rows.index_put_((upload[0], upload[1]), upload[2].int())
+        return slots
+
+    def reset(self) -> None:
+        """Forget every row (for a caller that lost the rows' contents; sleep levels 1-2 offload them)."""
+        self._slot.clear()
+        self._owner = [None] * len(self._owner)
+        self._written = [0] * len(self._written)
+
+    def _claim(self, seq: Sequence, batch: set[int]) -> int:
+        free = [i for i, owner in enumerate(self._owner) if owner is None or id(owner) not in batch]
+        if not free:
+            raise ValueError(f"more than {len(self._owner)} penalized requests in one batch")
+        slot = min(free, key=lambda i: (self._owner[i] is not None, self._last_used[i]))
+        old = self._owner[slot]
+        if old is not None:
+            del self._slot[id(old)]
+        self._owner[slot], self._slot[id(seq)], self._written[slot] = seq, slot, 0
+        return slot
 
 
 def _logprob_dicts(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:

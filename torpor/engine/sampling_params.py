@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0       # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI, vLLM)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
 # Temperatures below this are treated as greedy: dividing logits by ~0 only overflows.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -27,6 +31,21 @@ class SamplingParams:
     logprobs: for every output token return the chosen token's logprob plus the top `logprobs`
         (0 = the chosen token only); None = no logprobs. At most 20.
     prompt_logprobs: the same for every prompt token after the first.
+    repetition_penalty: > 0; 1 disables it. Every token of the prompt or the output so far has its
+        logit divided by it when positive, multiplied by it when negative (vLLM, transformers).
+    presence_penalty: in [-2, 2]; subtracted once from the logit of every token the output holds (OpenAI).
+    frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the output holds it.
+    min_p: in [0, 1]; drops tokens whose probability (after temperature) is below min_p times the most
+        likely token's; 0 disables it.
+    min_tokens: the end-of-sequence tokens and stop_token_ids cannot be sampled, and stop strings do not
+        end the output, before this many output tokens (at most max_tokens).
+    skip_special_tokens: leave special tokens out of the output text.
+    include_stop_str_in_output: keep the stop string that ended the output at the end of the text.
+    logit_bias: token id -> value in [-100, 100] added to its logit before everything else (the ids are
+        checked against the vocabulary when the request is made). Stored as sorted (id, value) pairs.
+
+    Penalties, logit_bias and min_tokens also steer greedy decoding (they change the argmax); logprobs
+    stay those of the model's raw logits.
     """
 
     temperature: float = 1.0
@@ -39,12 +58,21 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         # Normalise the list-like fields to tuples so the params stay hashable and immutable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -77,6 +105,30 @@ class SamplingParams:
                 _check_int(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        r = self.repetition_penalty
+        if not _is_finite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not _is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token_id}")
+            if not _is_finite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bias!r} for token {token_id}")
 
     @property
     def is_greedy(self) -> bool:
@@ -86,6 +138,45 @@ class SamplingParams:
     def needs_filter(self) -> bool:
         """Whether top-k or top-p removes any token (sampling then has to sort the vocabulary)."""
         return not self.is_greedy and (self.top_k != -1 or self.top_p < 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the tokens so far (a penalty is on)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @cached_property
+    def needs_logits_processing(self) -> bool:
+        """Whether the logits change before temperature (penalties, logit_bias, min_tokens); requests
+        without any of these take the sampler's unchanged fast path (cached: the check runs per step)."""
+        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError when logit_bias names a token outside the model's vocabulary."""
+        bad = [token_id for token_id, _ in self.logit_bias if token_id >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), got {bad[:5]}")
+
+
+def _is_finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _bias_pairs(bias: Mapping[int, float] | Iterable[tuple[int, float]] | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, value) pairs sorted by id; ValueError unless a mapping or pairs."""
+    if bias is None:
+        return ()
+    try:
+        pairs = [tuple(p) for p in (bias.items() if isinstance(bias, Mapping) else bias)]
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to values, got {bias!r}") from None
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"logit_bias must map token ids to values, got {bias!r}")
+    ids = [token_id for token_id, _ in pairs]
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise ValueError(f"logit_bias token ids must be ints, got {ids[:5]}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"logit_bias names a token id twice: {sorted(ids)[:10]}")
+    return tuple(sorted(pairs))
 
 
 def _check_int(name: str, value: object) -> None:

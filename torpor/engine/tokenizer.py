@@ -7,10 +7,13 @@ import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 import tokenizers.decoders
+
+if TYPE_CHECKING:
+    from torpor.engine.sampling_params import SamplingParams
 
 
 class Tokenizer:
@@ -133,10 +136,12 @@ class OutputText:
     Without stop strings and without streaming (`incremental=False`) nothing is decoded until the end:
     `final` decodes the whole output once."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), incremental: bool = False) -> None:
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+    def __init__(self, tokenizer: Tokenizer, params: "SamplingParams", incremental: bool = False) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(params.stop)
+        self.skip_special_tokens, self.min_tokens = params.skip_special_tokens, params.min_tokens
+        self.keep_stop = params.include_stop_str_in_output  # the text ends after the stop string, not before
         self.incremental = incremental or bool(self.stop)
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.skip_special_tokens)
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # detokenized so far (incremental only), cut before a stop string once found
         self.stop_found: str | None = None
@@ -154,17 +159,21 @@ class OutputText:
             # A stop string may straddle the old text and the delta: search from where it could start.
             search_from = max(0, len(self.text) - self.hold_back)
             self.text += delta
+            if len(self.detokenizer.token_ids) <= self.min_tokens:
+                continue  # stop strings count only after min_tokens output tokens (vLLM)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
             if hits:
                 index, self.stop_found = min(hits)
-                self.text = self.text[:index]
+                self.text = self.text[:index + len(self.stop_found) if self.keep_stop else index]
                 return self.stop_found
         return None
 
     def final(self, output_token_ids: list[int]) -> str:
         """The finished text; without a stop string, a full decode (it includes any bytes the incremental
         detokenizer still held back for an unfinished character)."""
-        return self.text if self.stop_found is not None else self.tokenizer.decode(output_token_ids)
+        if self.stop_found is not None:
+            return self.text
+        return self.tokenizer.decode(output_token_ids, self.skip_special_tokens)
 
     def delta(self, final_text: str | None = None) -> str:
         """Text not handed out yet: what is safe while the request runs, everything left of `final_text`

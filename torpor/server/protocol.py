@@ -1,14 +1,17 @@
 """OpenAI request bodies (pydantic) and their translation into prompt token ids and `SamplingParams`.
 
 Every option is honoured or refused with a 400 naming it (`code: "unsupported_parameter"`):
-- declared fields torpor cannot honour with a non-default value (n > 1, penalties, logit_bias, echo,
-  suffix, best_of, tools) are refused by `check_supported`;
+- the penalties, `logit_bias` (token id strings -> [-100, 100]) and vLLM's extra sampling fields (`top_k`,
+  `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+  `include_stop_str_in_output`) go into `SamplingParams`;
+- declared fields torpor cannot honour with a non-default value (echo, suffix, best_of,
+  response_format, tools, tool_choice) are refused by `check_supported`;
 - any other field, at the top level, in a message or in a content part, is refused by
-  `check_known_fields` — `response_format`, `tool_choice`, `functions`, `reasoning_effort`, a typo
+  `check_known_fields` — `functions`, `reasoning_effort`, a typo
   (`max_token`) — unless its value is null (no behaviour asked for) or it is on the allowlist of
   OpenAI fields that carry no semantics for a self-hosted engine: `IGNORED_FIELDS` (`user`, `metadata`,
   `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls`).
-`top_k`, `ignore_eos` and `stop_token_ids` are accepted as extras, as vLLM does. Types are strict:
+Types are strict:
 no lax cast changes a meaning (`prompt: [true, false]` is not the tokens [1, 0], `max_tokens: true`
 not 1, `"0.5"` not a number), and text must be valid Unicode (a lone surrogate is a 400, not a
 tokenizer error).
@@ -94,16 +97,20 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: Any = None
     # extras (vLLM's names)
     top_k: int | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
 
     def check_supported(self) -> None:
         unsupported: dict[str, Any] = {"n": self.n not in (None, 1),
-                                       "presence_penalty": self.presence_penalty not in (None, 0),
-                                       "frequency_penalty": self.frequency_penalty not in (None, 0),
-                                       "logit_bias": bool(self.logit_bias)}
+                                       "response_format": self.response_format not in (None, {"type": "text"})}
         unsupported.update(self._unsupported())
         for field, refused in unsupported.items():
             if refused:
@@ -133,17 +140,34 @@ class GenerationRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Validated `SamplingParams`; a bad value is a 400 naming its field."""
+        """Validated `SamplingParams`; a bad value is a 400 naming its field. Unset fields keep
+        `SamplingParams`' defaults."""
+        options = {name: value for name in _OPTIONAL_SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if self.top_k is None else self.top_k,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=bool(self.ignore_eos), seed=self.seed, logprobs=logprobs)
+                ignore_eos=bool(self.ignore_eos), seed=self.seed, logprobs=logprobs,
+                logit_bias=self._logit_bias(), **options)
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field in type(self).model_fields else None) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias keys are token ids written as strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(key): value for key, value in self.logit_bias.items()}
+        except ValueError:
+            bad = [key for key in self.logit_bias if not key.strip().lstrip("+-").isdigit()]
+            raise APIError(400, f"logit_bias keys must be token ids, got {bad[:5]}", param="logit_bias") from None
+
+
+_OPTIONAL_SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                             "skip_special_tokens", "include_stop_str_in_output")
 
 
 class CompletionRequest(GenerationRequest):
@@ -216,9 +240,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, e.g. {"enable_thinking": false}
+    tool_choice: Any = None
 
     def _unsupported(self) -> dict[str, bool]:
-        return {"tools": bool(self.tools)}
+        return {"tools": bool(self.tools), "tool_choice": self.tool_choice not in (None, "none")}
 
     def prompt_token_ids(self, tokenizer) -> list[int]:
         """The conversation rendered with the model's chat template, tokenized."""
