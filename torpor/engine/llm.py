@@ -9,7 +9,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from torpor.engine.config import EngineConfig
-from torpor.engine.llm_engine import LLMEngine
+from torpor.engine.llm_engine import EngineState, LLMEngine
 from torpor.engine.models import ModelConfig
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ class LLM:
             self._lock.wait(left)
 
     @property
-    def state(self):
+    def state(self) -> EngineState:
         """The engine's `EngineState`: serving, sleep level, weights validity, per-tag state."""
         with self._lock:
             return self.engine.state()
