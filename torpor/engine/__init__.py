@@ -16,17 +16,20 @@ from typing import TYPE_CHECKING
 _EXPORTS = {  # name -> module
     "LLM": "torpor.engine.llm",
     "LLMEngine": "torpor.engine.llm_engine",
+    "EngineState": "torpor.engine.llm_engine",
+    "RequestError": "torpor.engine.llm_engine",
     "EngineConfig": "torpor.engine.config",
     "SamplingParams": "torpor.engine.sampling_params",
     "RequestOutput": "torpor.engine.outputs",
     "CompletionOutput": "torpor.engine.outputs",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineState", "LLMEngine", "RequestError", "RequestOutput",
+           "SamplingParams"]
 
 if TYPE_CHECKING:
     from torpor.engine.config import EngineConfig
     from torpor.engine.llm import LLM
-    from torpor.engine.llm_engine import LLMEngine
+    from torpor.engine.llm_engine import EngineState, LLMEngine, RequestError
     from torpor.engine.outputs import CompletionOutput, RequestOutput
     from torpor.engine.sampling_params import SamplingParams
 
