@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     plot = plot_path(args.plot) if args.plot else None  # before the demo runs, not after
     on_gpu = uses_gpu(args.device)
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
+    console = Console(width=240) if not sys.stdout.isatty() else Console()
     model, synthetic = args.model, args.model is None
     if model is None and on_gpu:
         from torpor.engine.checkpoint import cached_model_path
@@ -142,8 +142,14 @@ def run(args: argparse.Namespace) -> int:
     device = str(llm.config.device)
     console.print(f"engine on {device}: {llm.config.model}")
     if synthetic:
-        console.print("the weights are synthetic (seeded random numbers in a real geometry): the answers are "
-                      "gibberish by design; what counts is that they come back bit-identical after every wake")
+        console.print("the weights are synthetic (seeded random numbers, no training): the answers are "
+                      "gibberish by design; what counts is that every wake gives them back bit for bit")
+    if on_gpu:  # pin the host copies now: the table then shows the link's speed from the first sleep
+        start = time.perf_counter()
+        offloaded = [t for t in ("weights", "runtime", "cuda_graph") if t in llm.memory_usage()["tags"]]
+        pinned = llm.memory.reserve_host(offloaded)
+        console.print(f"host copies reserved ahead of the first sleep: {pinned / GiB:.2f} GiB pinned in "
+                      f"{time.perf_counter() - start:.1f} s")
     prompts, params = requests(llm)
     timeline = Timeline(llm)
     reference = llm.generate(prompts, params)
@@ -152,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     tags = list(llm.memory_usage()["tags"])
     for col in ("cycle", *tags, "memory in use MiB" + (" (RSS)" if device == "cpu" else ""), "sleep", "wake",
                 "answers"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=col in ("sleep", "wake"))  # time, bytes, rate: one line
     ok = True
     for name, (level, wakes, reload) in CYCLES.items():
         r = cycle(llm, level, wakes, reload, timeline)

@@ -16,18 +16,21 @@ from typing import TYPE_CHECKING
 _EXPORTS = {  # name -> module
     "LLM": "torpor.engine.llm",
     "LLMEngine": "torpor.engine.llm_engine",
+    "EngineState": "torpor.engine.llm_engine",
+    "RequestError": "torpor.engine.llm_engine",
     "EngineConfig": "torpor.engine.config",
     "SamplingParams": "torpor.engine.sampling_params",
     "RequestOutput": "torpor.engine.outputs",
     "CompletionOutput": "torpor.engine.outputs",
     "Logprob": "torpor.engine.logprobs",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineState", "LLMEngine", "Logprob", "RequestError",
+           "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from torpor.engine.config import EngineConfig
     from torpor.engine.llm import LLM
-    from torpor.engine.llm_engine import LLMEngine
+    from torpor.engine.llm_engine import EngineState, LLMEngine, RequestError
     from torpor.engine.logprobs import Logprob
     from torpor.engine.outputs import CompletionOutput, RequestOutput
     from torpor.engine.sampling_params import SamplingParams

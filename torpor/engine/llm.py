@@ -10,7 +10,7 @@ import torch
 
 from torpor.engine.config import DTYPE_ALIASES, EngineConfig
 from torpor.engine.generation_config import generation_defaults
-from torpor.engine.llm_engine import LLMEngine
+from torpor.engine.llm_engine import EngineState, LLMEngine
 from torpor.engine.model_path import resolve_model
 from torpor.engine.models import ModelConfig
 from torpor.engine.outputs import RequestOutput
@@ -132,7 +132,7 @@ class LLM:
             self._lock.wait(left)
 
     @property
-    def state(self):
+    def state(self) -> EngineState:
         """The engine's `EngineState`: serving, sleep level, weights validity, per-tag state."""
         with self._lock:
             return self.engine.state()
