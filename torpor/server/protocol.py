@@ -86,7 +86,6 @@ class GenerationRequest(BaseModel):
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field in type(self).model_fields else None) from None
 
-
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's logit_bias keys are token ids written as strings."""
         if not self.logit_bias:
