@@ -205,6 +205,8 @@ def test_harmless_and_null_fields_are_accepted(server):
 # ---- 11.10: SGLang's per-tag release -------------------------------------------------------------
 def test_release_memory_occupation_releases_only_the_named_tags(server):
     before, slept = greedy(server), sleeps(server).get("1", 0)
+    nothing = server.admin.post("/release_memory_occupation", json={"tags": ["cuda_graph"]}).json()  # none on CPU
+    assert (nothing["released"], nothing["level"], nothing["serving"]) == ([], None, True)
     released = server.admin.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).json()
     assert released["success"] and released["released"] == ["kv_cache"] and not released["serving"]
     tags = server.admin.get("/memory").json()["tags"]
