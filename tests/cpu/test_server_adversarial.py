@@ -270,6 +270,11 @@ def test_messages_name_the_problem(server):
                              ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud83d"]}', "stop.0")]:
         error = error_of(server.http.post(path, content=raw, headers={"Content-Type": "application/json"}), 400)
         assert error["code"] == "invalid_unicode" and error["param"] == param and "unicode" in error["message"]
+    # a lone surrogate in a field name; and one echoed back would still make a UTF-8 body of valid JSON
+    response = server.http.post("/v1/completions", content=b'{"prompt": "a", "\\ud800": 1}',
+                                headers={"Content-Type": "application/json"})
+    assert error_of(response, 400)["code"] == "invalid_unicode"
+    assert strict_json(json_text({"param": "\ud800"}).encode("utf-8").decode()) == {"param": "\ud800"}
 
 
 def test_after_level_2_and_wake_the_request_is_told_to_reload(server):
