@@ -205,6 +205,8 @@ def test_harmless_and_null_fields_are_accepted(server):
 # ---- 11.10: SGLang's per-tag release -------------------------------------------------------------
 def test_release_memory_occupation_releases_only_the_named_tags(server):
     before, slept = greedy(server), sleeps(server).get("1", 0)
+    nothing = server.admin.post("/release_memory_occupation", json={"tags": ["cuda_graph"]}).json()  # none on CPU
+    assert (nothing["released"], nothing["level"], nothing["serving"]) == ([], None, True)
     released = server.admin.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).json()
     assert released["success"] and released["released"] == ["kv_cache"] and not released["serving"]
     tags = server.admin.get("/memory").json()["tags"]
@@ -268,6 +270,11 @@ def test_messages_name_the_problem(server):
                              ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud83d"]}', "stop.0")]:
         error = error_of(server.http.post(path, content=raw, headers={"Content-Type": "application/json"}), 400)
         assert error["code"] == "invalid_unicode" and error["param"] == param and "unicode" in error["message"]
+    # a lone surrogate in a field name; and one echoed back would still make a UTF-8 body of valid JSON
+    response = server.http.post("/v1/completions", content=b'{"prompt": "a", "\\ud800": 1}',
+                                headers={"Content-Type": "application/json"})
+    assert error_of(response, 400)["code"] == "invalid_unicode"
+    assert strict_json(json_text({"param": "\ud800"}).encode("utf-8").decode()) == {"param": "\ud800"}
 
 
 def test_after_level_2_and_wake_the_request_is_told_to_reload(server):

@@ -67,7 +67,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     _add_docs(app)
     routers = (openai_api.router, control.public_router, control.router, tokenize_api.router)
-    routes = {"/health", "/metrics", *(r.path for router in routers for r in router.routes)}
+    routes = {"/health", "/metrics", "/openapi.json", "/docs", "/redoc",
+              *(r.path for router in routers for r in router.routes)}
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(CountRequests, count=lambda route, status: server.metrics.http_requests.labels(
         route, status).inc(), routes=routes)  # added last: outermost, it counts the 413s too

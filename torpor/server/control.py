@@ -140,7 +140,7 @@ async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dic
                        param="mode")
     start = time.perf_counter()
     engine = server.engine.engine
-    report, changed = await _run(server.engine.call(_noting_level_change, engine, engine.sleep, level, mode))
+    report, _, changed = await _run(server.engine.call(_noting_level_change, engine, engine.sleep, level, mode))
     seconds = time.perf_counter() - start
     if changed:  # a no-op sleep (same or shallower level) is not counted
         server.metrics.sleeps.labels(str(level)).inc()
@@ -151,12 +151,13 @@ async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dic
 async def _release(server: ServerState, tags: list[str]) -> dict:
     start = time.perf_counter()
     engine = server.engine.engine
-    report, changed = await _run(server.engine.call(_noting_level_change, engine, engine.release_tags, tags, "wait"))
+    report, level, changed = await _run(server.engine.call(_noting_level_change, engine, engine.release_tags, tags,
+                                                           "wait"))
     seconds = time.perf_counter() - start
     if changed:  # from awake (or level 0) to level 1
         server.metrics.sleeps.labels("1").inc()
         server.metrics.sleep_seconds.observe(seconds)
-    return {"level": 1, "released": [t.tag for t in report.tags] if report is not None else [], **_state(server),
+    return {"level": level, "released": [t.tag for t in report.tags] if report is not None else [], **_state(server),
             "seconds": seconds, "report": _report(report)}
 
 
@@ -215,11 +216,12 @@ def allowed_checkpoint_path(path: str, allowed_dir: Path) -> str:
     return str(resolved)
 
 
-def _noting_level_change(engine, operation, *args) -> tuple[Report | None, bool]:
-    """Engine thread: `operation(*args)` (a sleep) and whether it changed the engine's sleep level."""
+def _noting_level_change(engine, operation, *args) -> tuple[Report | None, int | None, bool]:
+    """Engine thread: `operation(*args)` (a sleep); its report, the sleep level after it (None: awake),
+    and whether it changed the level."""
     before = engine.sleep_mode.level if engine.sleep_mode is not None else None
     report = operation(*args)
-    return report, engine.sleep_mode.level != before
+    return report, engine.sleep_mode.level, engine.sleep_mode.level != before
 
 
 def _engine_tags(tags: list[str]) -> list[str]:

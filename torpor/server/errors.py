@@ -42,8 +42,16 @@ def finite(value: Any) -> Any:
 
 
 def json_text(data: Any) -> str:
-    """Strict JSON (never NaN / Infinity) of `data`, non-ASCII kept as is."""
-    return json.dumps(finite(data), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    """Strict JSON (never NaN / Infinity) of `data`, non-ASCII kept as is; all escaped to ASCII if some
+    text is not valid Unicode (a lone surrogate a client sent, echoed in an error), so it always
+    encodes as UTF-8."""
+    data = finite(data)
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text
 
 
 class SafeJSONResponse(JSONResponse):
@@ -125,6 +133,10 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         return APIError(400, "the request body must be a JSON object, sent with 'Content-Type: application/json'")
+    if first.get("type") == "string_unicode":  # a field name (or text) with a lone surrogate
+        where = f" in {param}" if param else " in a field name"
+        return APIError(400, f"invalid unicode{where}: a lone surrogate (a UTF-16 half that encodes no character)",
+                        param=param, code="invalid_unicode")
     if not loc and first.get("type") == "missing":
         return APIError(400, "the request body is empty: send a JSON object with 'Content-Type: application/json'",
                         code="missing_body")

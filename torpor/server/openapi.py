@@ -58,7 +58,7 @@ OK_SCHEMAS = {
     "/memory": _object({"level": NULLABLE_INT, "device_used_bytes": NULLABLE_INT, "weights_discarded": BOOL,
                         "tags": {"type": "object"}}),
     "/collective_rpc": _object({"results": {"type": "array", "minItems": 1, "maxItems": 1}}),
-    "/release_memory_occupation": _object({"success": BOOL, "level": INT, **STATE, "seconds": NUMBER,
+    "/release_memory_occupation": _object({"success": BOOL, "level": NULLABLE_INT, **STATE, "seconds": NUMBER,
                                            "report": REPORT}, released={"type": "array", "items": STRING}),
     "/resume_memory_occupation": _object({"success": BOOL, "woken": {"type": "array", "items": STRING}, **STATE,
                                           "seconds": NUMBER, "report": REPORT}),
