@@ -38,6 +38,9 @@ class Env:
     # The model's GEMMs on CUDA: "cublaslt" (default; torpor/engine/cublaslt.py says why) or "torch"
     # (F.linear, PyTorch's cuBLAS handle: +66 MiB of device memory per thread that stays while asleep).
     gemm: str
+    # torpor.memory debug switch: before a sleep keeps a host copy marked clean instead of copying again,
+    # hash the device bytes and the copy and raise StaleCopyError if they differ (a write nobody declared).
+    verify_clean_copies: bool = False
 
     @classmethod
     def read(cls) -> Env:
@@ -47,4 +50,5 @@ class Env:
             admin_token=os.environ.get("TORPOR_ADMIN_TOKEN") or None,
             api_key=os.environ.get("TORPOR_API_KEY") or None,
             gemm=_choice("TORPOR_GEMM", ("cublaslt", "torch")),
+            verify_clean_copies=_choice("TORPOR_VERIFY_CLEAN_COPIES", ("0", "1")) == "1",
         )

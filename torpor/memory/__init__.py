@@ -10,13 +10,20 @@
 Never imports the engine. See docs/memory.md.
 """
 
-from torpor.memory.manager import MemoryManager
+from torpor.memory.checkpoint import (
+    CheckpointError,
+    CheckpointReport,
+    CheckpointUnsupportedError,
+    ContextCheckpointedError,
+)
+from torpor.memory.manager import HostReservation, MemoryManager
 from torpor.memory.types import (
     Action,
     AuditReport,
     HostMemoryError,
     LateAllocation,
     Report,
+    StaleCopyError,
     TagAsleepError,
     TagReport,
     TagState,
@@ -28,10 +35,16 @@ from torpor.memory.types import (
 __all__ = [
     "Action",
     "AuditReport",
+    "CheckpointError",
+    "CheckpointReport",
+    "CheckpointUnsupportedError",
+    "ContextCheckpointedError",
     "HostMemoryError",
+    "HostReservation",
     "LateAllocation",
     "MemoryManager",
     "Report",
+    "StaleCopyError",
     "TagAsleepError",
     "TagReport",
     "TagState",
