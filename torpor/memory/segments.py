@@ -90,6 +90,7 @@ class SegmentStore(ABC):
     def sleep(self, plan: dict[str, Action], clean: Collection[str] = ()) -> list[TagReport]:
         """Release every segment of the tags in `plan` (offload or discard). All or nothing. Offloaded
         segments of the tags in `clean` whose host copy is still current are not copied again."""
+        verify = Env.read().verify_clean_copies  # a bad value raises before anything is touched
         with self.lock:
             by_tag = {tag: [s for s in self.of_tag(tag) if s.resident] for tag in plan}
             offload = [s for tag, segs in by_tag.items() if plan[tag] is Action.OFFLOAD for s in segs]
@@ -98,7 +99,7 @@ class SegmentStore(ABC):
             self._check_host_budget(fresh)
             self._reserve_backups(fresh)  # raises HostMemoryError; nothing released yet
             self._synchronize()
-            if kept and Env.read().verify_clean_copies:
+            if kept and verify:
                 self._verify_copies(kept)  # raises StaleCopyError; nothing released yet
             self._copy_out(fresh)
             reports = []
