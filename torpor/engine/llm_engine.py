@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable
 from dataclasses import asdict
 
@@ -14,9 +15,11 @@ from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import Sequence
-from torpor.engine.sleep_mode import SleepMode, WakeResult
+from torpor.engine.sleep_mode import LEVELS, SleepMode, WakeResult
 from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from torpor.memory import Report
+from torpor.memory import CheckpointError, CheckpointUnsupportedError, Report
+
+logger = logging.getLogger("torpor.engine")
 
 
 class LLMEngine:
@@ -41,6 +44,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids)
         self._texts: dict[str, _Text] = {}
         self._request_ids = itertools.count()
+        self.host_reservation = self._reserve_host_copies()
 
     # ---- requests ----------------------------------------------------------------------
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -101,6 +105,8 @@ class LLMEngine:
         """Schedule a batch, run it, record the tokens; returns the requests finished by this step
         (and any a sleep finished meanwhile). Runs nothing while the engine sleeps."""
         finished, self._pending = self._pending, []
+        if self.context_released:
+            return finished  # no CUDA call while the context is checkpointed (the scheduler is paused anyway)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return finished
@@ -110,17 +116,24 @@ class LLMEngine:
 
     # ---- sleep mode (see sleep_mode.py) ------------------------------------------------
     def sleep(self, level: int = 1, running: str = "wait") -> Report | None:
-        """Level 0 pauses scheduling; 1 and 2 also release memory (see sleep_mode.py). Running requests
-        are finished first (`running="wait"`, new ones are not started) or aborted (`"abort"`); their
-        outputs come out of the next `step`. Same or shallower level while asleep: no-op (None)."""
+        """Level 0 pauses scheduling; 1 and 2 also release memory; 3 and 4 are 1 and 2 plus the CUDA context
+        (see sleep_mode.py). Running requests are finished first (`running="wait"`, new ones are not
+        started) or aborted (`"abort"`); their outputs come out of the next `step`. A sleep that deepens
+        nothing is a no-op (None). Level 3/4's preconditions are checked before anything is touched."""
         mode = self._sleep_mode()
         if running not in ("wait", "abort"):
             raise ValueError(f"running must be 'wait' or 'abort', got {running!r}")
         plan = mode.plan(level)
         if plan is None:
             return None
+        release = mode.releases_context(level)
+        if release and not mode.context_released:
+            self._check_context_release(level)
         if mode.level is None or mode.level == 0:
             self._settle_running(running)
+        if mode.context_released and plan:
+            self._restore_context()  # dropping host copies needs the context
+        before = mode.level
         try:
             report = self.memory.sleep(plan) if plan else None
         except BaseException:
@@ -131,7 +144,50 @@ class LLMEngine:
         mode.after_sleep(level)
         if self.model_runner.device.type == "cuda" and plan:
             torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
+        if release:
+            self._release_context(level, before)
         return report
+
+    def _check_context_release(self, level: int) -> None:
+        """Level 3/4's preconditions: one CUDA device per engine process, the driver's checkpoint API."""
+        if self.model_runner.device.type != "cuda":
+            raise CheckpointUnsupportedError(
+                f"sleep level {level} releases the CUDA context; this engine runs on {self.model_runner.device}, "
+                "which has none (levels 0-2 work on every device)")
+        if self.config.tensor_parallel_size > 1:
+            raise CheckpointUnsupportedError(
+                f"sleep level {level} releases the CUDA context through the driver's checkpoint API, which does "
+                "not support NCCL: a tensor-parallel engine sleeps at levels 0-2")
+        self.memory.check_checkpoint()
+
+    def _release_context(self, level: int, before: int | None) -> None:
+        """Checkpoint the context after the tags slept. On failure the tags' sleep is undone where it can be
+        (level 3 from awake: the engine serves again); a level-4 sleep stays at level 2 (weights discarded)."""
+        mode = self.sleep_mode
+        try:
+            self.memory.checkpoint_context()
+        except Exception as exc:
+            if before is None and not mode.weights_discarded:
+                self.memory.wake()
+                self.scheduler.reset_blocks()  # the KV cache came back zeroed
+                mode.level = None
+                self.scheduler.resume()
+                state = "the engine is awake and serving as before"
+            else:
+                state = (f"the engine stays asleep at level {mode.level}"
+                         + (" (weights discarded: wake_up() then reload_weights())" if mode.weights_discarded else ""))
+            raise CheckpointError(f"sleep level {level}: releasing the CUDA context failed ({exc}); {state}") from exc
+        mode.after_sleep(level, context_released=True)
+
+    def _restore_context(self) -> None:
+        """Restore the checkpointed context (before any tag is touched). On failure it stays checkpointed."""
+        self.memory.restore_context()
+        self.sleep_mode.context_released = False
+
+    @property
+    def context_released(self) -> bool:
+        """Whether the CUDA context is checkpointed (level 3/4 until a wake): nothing may make a CUDA call."""
+        return self.sleep_mode is not None and self.sleep_mode.context_released
 
     def _settle_running(self, running: str) -> None:
         if running == "abort":
@@ -150,7 +206,11 @@ class LLMEngine:
         The engine serves again once every tag is awake and its weights are valid."""
         mode = self._sleep_mode()
         targets = mode.wake_targets(tags)
+        if mode.context_released:
+            self._restore_context()  # the context first, then the tags
         report = self.memory.wake(targets)
+        if "weights" in targets:
+            self.memory.mark_clean("weights")  # unwritten since the wake: the next level-1 sleep keeps the copy
         if "kv_cache" in targets:
             self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
         return WakeResult(report, tuple(targets), self._resume_if_ready(ends_pause=True))
@@ -161,6 +221,7 @@ class LLMEngine:
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
         self._weights_awake("reload_weights")
+        self.mark_weights_dirty()
         self.model_runner.reload_weights(path or self.config.model)
         self._weights_restored()
 
@@ -168,6 +229,7 @@ class LLMEngine:
         """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's
         push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
         self._weights_awake("update_weights")
+        self.mark_weights_dirty()
         strict = self.sleep_mode is not None and self.sleep_mode.weights_discarded
         count = self.model_runner.update_weights(named_tensors, strict=strict)
         self._weights_restored()
@@ -176,9 +238,34 @@ class LLMEngine:
     def memory_usage(self) -> dict:
         """Per-tag bytes and states, the sleep level, and the device memory in use."""
         mode = self._sleep_mode()
+        tags = {tag: asdict(usage) for tag, usage in self.memory.usage().items()}
+        reservation = self.host_reservation
         return {"level": mode.level, "device_used_bytes": self.memory.device_used_bytes(),
-                "weights_discarded": mode.weights_discarded,
-                "tags": {tag: asdict(usage) for tag, usage in self.memory.usage().items()}}
+                "weights_discarded": mode.weights_discarded, "context_released": mode.context_released,
+                "host_backup_bytes": sum(t["host_backup_bytes"] for t in tags.values()),
+                "host_reservation": None if reservation is None else
+                {"done": reservation.done, "reserved_bytes": reservation.reserved_bytes,
+                 "error": None if reservation.error is None else str(reservation.error)},
+                "tags": tags}
+
+    def mark_weights_dirty(self) -> None:
+        """Every path that writes the weights calls this first (reload, update, a trainer's push): the next
+        level-1 sleep then copies them again instead of keeping the host copy made before."""
+        if self.memory is not None and "weights" in self.memory.tags():
+            self.memory.mark_dirty("weights")
+
+    def _reserve_host_copies(self):
+        """Start reserving (pinning) the host copies a level-1 sleep needs, in the background, so the first
+        sleep runs as fast as the later ones (`EngineConfig.reserve_host_copies`)."""
+        if not self.config.reserve_host_copies or self.memory is None:
+            return None
+        present = self.memory.tags()
+        tags = [t for t, action in LEVELS[1].items() if action == "offload" and t in present]
+        usage = self.memory.usage()
+        need = sum(usage[t].reserved_bytes for t in tags)
+        logger.info("reserving %.2f GiB of host memory for the host copies of %s in the background, so the first "
+                    "sleep runs at link speed (reserve_host_copies=False turns it off)", need / 2**30, ", ".join(tags))
+        return self.memory.reserve_host_in_background(tags, on_done=_log_reservation)
 
     def _sleep_mode(self) -> SleepMode:
         if self.sleep_mode is None:
@@ -199,7 +286,7 @@ class LLMEngine:
         pause. Returns whether the engine serves."""
         mode = self.sleep_mode
         if mode.level is not None:
-            if (mode.level == 0 and not ends_pause) or self.memory.is_sleeping():
+            if (mode.level == 0 and not ends_pause) or self.memory.is_sleeping() or mode.context_released:
                 return False
             mode.level = None
         if mode.weights_discarded:
@@ -223,6 +310,15 @@ class LLMEngine:
                 del self._texts[seq.request_id]
                 finished.append(RequestOutput.from_sequence(seq, text.final(seq.output_token_ids)))
         return finished
+
+
+def _log_reservation(reservation) -> None:
+    if reservation.error is not None:
+        logger.warning("reserving host copies stopped after %.2f GiB: %s (the first sleep makes the rest)",
+                       reservation.reserved_bytes / 2**30, reservation.error)
+    else:
+        logger.info("host copies reserved: %.2f GiB of host memory in %.2f s", reservation.reserved_bytes / 2**30,
+                    reservation.seconds)
 
 
 class _Text:

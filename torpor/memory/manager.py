@@ -8,7 +8,7 @@ import time
 import traceback
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -206,13 +206,15 @@ class MemoryManager:
         with self._lock, self._on_device():
             return self._backend.reserve(names)
 
-    def reserve_host_in_background(self, tags: Iterable[str]) -> HostReservation:
+    def reserve_host_in_background(self, tags: Iterable[str],
+                                   on_done: Callable[[HostReservation], None] | None = None) -> HostReservation:
         """`reserve_host(tags)` on a background thread, one segment at a time, so that start-up does not
         wait for it and a `sleep` never waits for more than one segment: a sleep stops the reservation and
-        makes what is missing itself. Returns a handle (`wait()`, `reserved_bytes`, `error`)."""
+        makes what is missing itself. Returns a handle (`wait()`, `reserved_bytes`, `error`); `on_done(handle)`
+        runs on the background thread when it ends (not when a sleep stopped it)."""
         names = [self._check_tag(t) for t in tags]
         self._stop_reservation()
-        self._reservation = HostReservation(self, names)
+        self._reservation = HostReservation(self, names, on_done)
         return self._reservation
 
     def _stop_reservation(self) -> None:
@@ -251,6 +253,12 @@ class MemoryManager:
         self._backend.mark_dirty(tag)
 
     # ---- the CUDA context (level 3) --------------------------------------------------------
+    def check_checkpoint(self) -> None:
+        """Raise CheckpointUnsupportedError, touching nothing, when `checkpoint_context` cannot work here."""
+        with self._lock:
+            self._check_checkpointable()
+            checkpoint.check_support(self._backend.pci_bus_id())
+
     def checkpoint_context(self, lock_timeout_s: float = 10.0, timeout_s: float = 300.0) -> CheckpointReport:
         """Release this process's whole CUDA context through the driver's checkpoint API (see
         torpor.memory.checkpoint): the process then holds no device memory. Sleep the tags first (the
@@ -260,8 +268,7 @@ class MemoryManager:
         make a CUDA call; this manager's readings answer from known state. A failed checkpoint raises
         CheckpointError with the process running as before."""
         with self._lock:
-            self._check_checkpointable()
-            checkpoint.check_support(self._backend.pci_bus_id())
+            self.check_checkpoint()
             self._stop_reservation()
             self.usage()  # refresh the readings given while checkpointed
             self._last_device_used = self._backend.device_used_bytes()
@@ -391,8 +398,10 @@ class HostReservation:
     in progress). `reserved_bytes` counts the host bytes made; `error` holds a HostMemoryError that ended it
     early (what was reserved stays: it is used by the sleep)."""
 
-    def __init__(self, manager: MemoryManager, tags: list[str]) -> None:
+    def __init__(self, manager: MemoryManager, tags: list[str],
+                 on_done: Callable[[HostReservation], None] | None = None) -> None:
         self.tags = tags
+        self._on_done = on_done
         self.reserved_bytes = 0
         self.error: BaseException | None = None
         self.seconds = 0.0
@@ -414,6 +423,8 @@ class HostReservation:
         except BaseException as exc:  # reported through `error`; the sleep reserves what is missing
             self.error = exc
         self.seconds = time.perf_counter() - start
+        if self._on_done is not None and not self._stop.is_set():
+            self._on_done(self)
 
     @property
     def done(self) -> bool:
