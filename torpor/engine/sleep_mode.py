@@ -67,7 +67,7 @@ class SleepMode:
         """The memory actions of `sleep(level)` from the current state; None when it is a no-op
         (deepens neither the tags nor the context). Deeper tags while asleep only drop the weights' host
         copy. Levels 3 and 4 also release the context: see `releases_context`."""
-        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        if type(level) is not int or level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level must be one of {', '.join(map(str, SLEEP_LEVELS))}, got {level!r}")
         if self.level is not None and not (self._deeper_tags(level) or self._deeper_context(level)):
             return None

@@ -173,7 +173,9 @@ class AsyncEngine:
             self._post(self._serving_event.set)  # waiters for a wake get the error instead of hanging
 
     def _has_work(self) -> bool:
-        return not self.engine.scheduler.paused and not self.engine.is_finished()
+        # While the CUDA context is checkpointed (sleep level 3/4) this thread makes no CUDA call: no steps;
+        # commands still run (readings answer from known state, requests queue until the wake).
+        return not self.engine.scheduler.paused and not self.engine.is_finished() and not self.engine.context_released
 
     def _execute(self, command: _Command) -> None:
         fn, args, future = command
