@@ -167,7 +167,10 @@ class LLMEngine:
         try:
             self.memory.checkpoint_context()
         except Exception as exc:
-            if before is None and not mode.weights_discarded:
+            if self.memory.is_context_checkpointed():  # stuck checkpointed: only a wake's restore may help
+                mode.after_sleep(level, context_released=True)
+                state = f"the engine stays asleep at level {mode.level}: wake_up() retries the restore"
+            elif before is None and not mode.weights_discarded:
                 self.memory.wake()
                 self.scheduler.reset_blocks()  # the KV cache came back zeroed
                 mode.level = None

@@ -217,11 +217,28 @@ def checkpoint_process(pci_bus_id: str | None = None, lock_timeout_s: float = 10
         raise CheckpointError("this process is already checkpointed")
     _PCI_BUS_ID = pci_bus_id or _PCI_BUS_ID
     start = time.perf_counter()
-    reply = helper().request("checkpoint", timeout_s, pid=os.getpid(), pci_bus_id=_PCI_BUS_ID,
-                             lock_timeout_ms=int(lock_timeout_s * 1000))
+    try:
+        reply = helper().request("checkpoint", timeout_s, pid=os.getpid(), pci_bus_id=_PCI_BUS_ID,
+                                 lock_timeout_ms=int(lock_timeout_s * 1000))
+    except CheckpointError as exc:
+        state = _recover()
+        if state != "running":  # CUDA calls would block: count the process as checkpointed
+            _CURRENT = CheckpointReport("checkpoint", time.perf_counter() - start, 0)
+            raise CheckpointError(f"{exc}; this process's CUDA state is {state!r}: no CUDA call may be made "
+                                  "until restore_process() succeeds") from None
+        raise CheckpointError(f"{exc}; the process is running as before") from None
     _CURRENT = CheckpointReport("checkpoint", time.perf_counter() - start, int(reply["held_bytes"]),
                                 reply.get("after") or {})
     return _CURRENT
+
+
+def _recover() -> str:
+    """After a failed checkpoint: bring this process back to running (a fresh helper if the old one was
+    stopped); its state afterwards, or "unknown"."""
+    try:
+        return helper().request("recover", START_TIMEOUT_S, pid=os.getpid())["state"]
+    except CheckpointError:
+        return "unknown"
 
 
 def restore_process(timeout_s: float = 300.0) -> CheckpointReport | None:

@@ -13,6 +13,7 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout,
     memory      pid, pci_bus_id             NVML: device total/free/used, the PID's device memory
     checkpoint  pid, pci_bus_id, lock_timeout_ms   lock + checkpoint (unlocks again if the checkpoint fails)
     restore     pid, pci_bus_id, need_bytes        free-memory check, restore, unlock
+    recover     pid                         after a failure: restore / unlock until running; the state
 """
 
 from __future__ import annotations
@@ -124,12 +125,26 @@ def _handle(op: str, request: dict, driver: Driver, nvml: Nvml) -> dict:
         return _checkpoint(driver, nvml, pid, bus, int(request.get("lock_timeout_ms", 10000)))
     if op == "restore":
         return _restore(driver, nvml, pid, bus, int(request.get("need_bytes", 0)))
+    if op == "recover":
+        return {"state": _recover(driver, pid)}
     raise ValueError(f"unknown operation {op!r}")
 
 
 def _state(driver: Driver, pid: int) -> str:
     state = driver.call("cuCheckpointProcessGetState", pid)
     return _STATES.get(getattr(state, "name", ""), str(state))
+
+
+def _recover(driver: Driver, pid: int) -> str:
+    """Bring a process a failed call left checkpointed or locked back to running; its state afterwards."""
+    state = _state(driver, pid)
+    if state == "checkpointed":
+        driver.call("cuCheckpointProcessRestore", pid, None)
+        state = _state(driver, pid)
+    if state == "locked":
+        driver.call("cuCheckpointProcessUnlock", pid, None)
+        state = _state(driver, pid)
+    return state
 
 
 def _checkpoint(driver: Driver, nvml: Nvml, pid: int, bus: str | None, lock_timeout_ms: int) -> dict:
