@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -408,6 +409,7 @@ class HostReservation:
         self._stop = threading.Event()
         self._manager = weakref.ref(manager)
         self._thread = threading.Thread(target=self._run, name="torpor-reserve-host", daemon=True)
+        _RESERVATIONS.add(self)
         self._thread.start()
 
     def _run(self) -> None:
@@ -440,6 +442,16 @@ class HostReservation:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+
+_RESERVATIONS: weakref.WeakSet[HostReservation] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_reservations() -> None:
+    """A reservation must not be pinning memory while the interpreter (and the CUDA context) shut down."""
+    for reservation in list(_RESERVATIONS):
+        reservation.stop()
 
 
 def _weak_hook(manager: MemoryManager):
