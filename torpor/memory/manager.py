@@ -268,9 +268,9 @@ class MemoryManager:
         cuda-bindings), no tag scope open. Until `restore_context` (or `wake`) nothing in the process may
         make a CUDA call; this manager's readings answer from known state. A failed checkpoint raises
         CheckpointError with the process running as before."""
+        self._stop_reservation()  # before the lock: the reservation's thread takes it per segment
         with self._lock:
             self.check_checkpoint()
-            self._stop_reservation()
             self.usage()  # refresh the readings given while checkpointed
             self._last_device_used = self._backend.device_used_bytes()
             self._backend.quiesce()
