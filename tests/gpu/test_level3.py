@@ -164,6 +164,16 @@ def test_restore_is_refused_while_the_device_lacks_the_memory(llm, requests, ref
     assert not differences(reference, run_round(llm, requests))
 
 
+def test_reading_a_sleeping_tensor_faults_on_cuda():
+    """Documented behaviour (docs/memory.md): a sleeping tag's range is unmapped, so a kernel reading it gets an
+    illegal-address fault, which is sticky (the context is lost) -- hence a child process."""
+    code = ("import torch\nfrom torpor.memory import MemoryManager\nmm = MemoryManager('cuda')\n"
+            "with mm.tag('w'):\n    t = torch.ones(1 << 20, device='cuda')\n"
+            "mm.sleep({'w': 'offload'})\nprint(t.sum().item(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "cuda error" in out.stderr.lower(), (out.returncode, out.stderr[-2000:])
+
+
 def test_level3_over_http(model):
     """A real `torpor serve`: level 3 over HTTP; /health, /is_sleeping, /metrics, /memory answer while the
     context is checkpointed; requests sent while asleep are answered after the wake, as before the sleep."""
