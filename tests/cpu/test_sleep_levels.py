@@ -10,7 +10,7 @@ from torpor.engine import LLM, SamplingParams
 from torpor.engine.loader import iter_checkpoint
 from torpor.engine.sleep_harness import differences, fixed_requests, run_round
 from torpor.engine.sleep_mode import SleepMode
-from torpor.memory import CheckpointUnsupportedError, MemoryManager
+from torpor.memory import CheckpointError, CheckpointUnsupportedError, MemoryManager
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,23 @@ def test_level_three_while_asleep_on_cpu_keeps_the_level(llm):
         llm.sleep(3)
     assert llm.memory_usage()["level"] == 1
     llm.wake_up()
+
+
+def test_a_failed_context_release_leaves_the_engine_as_before(llm, requests, monkeypatch):
+    """The failure path after the tags slept: skip the precondition so the CPU manager's real refusal comes
+    from checkpoint_context itself, as a driver failure would."""
+    reference = run_round(llm, requests)
+    monkeypatch.setattr(type(llm.engine), "_check_context_release", lambda self, level: None)
+    with pytest.raises(CheckpointError, match="the engine is awake and serving as before"):
+        llm.sleep(3)
+    assert not llm.is_sleeping() and not llm.engine.context_released
+    assert not differences(reference, run_round(llm, requests))
+    with pytest.raises(CheckpointError, match=r"stays asleep at level 2 \(weights discarded"):
+        llm.sleep(4)  # the weights are gone already: a level-2 sleep is what is left
+    assert llm.memory_usage()["level"] == 2 and llm.engine.sleep_mode.weights_discarded
+    llm.wake_up()
+    llm.reload_weights()
+    assert not differences(reference, run_round(llm, requests))
 
 
 # ---- re-sleep without copying -----------------------------------------------------------------
