@@ -77,7 +77,9 @@ def awake(llm):
 def process_mib() -> float | None:
     """This process's device memory by NVML (read by the checkpoint helper); None if NVML does not list it."""
     readings = checkpoint.device_readings()
-    return readings["process_bytes"] / MiB if readings.get("process_bytes") else (0.0 if readings else None)
+    if "process_bytes" not in readings:
+        return None
+    return readings["process_bytes"] / MiB
 
 
 def test_level3_releases_everything_and_a_full_wake_is_bit_exact(llm, requests, reference):

@@ -85,12 +85,13 @@ class Nvml:
         if self.nvml is None or not pci_bus_id:
             return {}
         n = self.nvml
-        handle = n.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode() if isinstance(pci_bus_id, str) else pci_bus_id)
-        info = n.nvmlDeviceGetMemoryInfo(handle)
-        process = 0
-        for p in n.nvmlDeviceGetComputeRunningProcesses(handle):
-            if p.pid == pid and p.usedGpuMemory is not None:
-                process = int(p.usedGpuMemory)
+        try:  # readings are informative: an NVML failure must not stop a checkpoint or a restore
+            handle = n.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode())
+            info = n.nvmlDeviceGetMemoryInfo(handle)
+            processes = n.nvmlDeviceGetComputeRunningProcesses(handle)
+        except n.NVMLError as exc:
+            return {"nvml_error": str(exc)}
+        process = sum(int(p.usedGpuMemory or 0) for p in processes if p.pid == pid)
         return {"total_bytes": int(info.total), "free_bytes": int(info.free), "used_bytes": int(info.used),
                 "process_bytes": process}
 
@@ -163,7 +164,7 @@ def _checkpoint(driver: Driver, nvml: Nvml, pid: int, bus: str | None, lock_time
     done = time.perf_counter()
     after = nvml.readings(pid, bus)
     held = before.get("process_bytes", 0)
-    if before and after:  # NVML may not see the PID (another PID namespace): the device's drop instead
+    if "used_bytes" in before and "used_bytes" in after:  # NVML may not list the PID: the device's drop then
         held = max(held, before["used_bytes"] - after["used_bytes"])
     return {"lock_s": locked - start, "checkpoint_s": done - locked, "held_bytes": held,
             "before": before, "after": after}
@@ -171,7 +172,7 @@ def _checkpoint(driver: Driver, nvml: Nvml, pid: int, bus: str | None, lock_time
 
 def _restore(driver: Driver, nvml: Nvml, pid: int, bus: str | None, need_bytes: int) -> dict:
     now = nvml.readings(pid, bus)
-    if now and need_bytes and now["free_bytes"] < need_bytes:
+    if "free_bytes" in now and need_bytes and now["free_bytes"] < need_bytes:
         # A restore that runs out of device memory can leave the process stuck (NVIDIA's tracker): refuse.
         raise MemoryError(f"restoring the CUDA context needs {need_bytes / 2**20:.0f} MiB of device memory and "
                           f"{now['free_bytes'] / 2**20:.0f} MiB are free; the process stays checkpointed: "
