@@ -227,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     args.device = device
+    if args.level3 and not device.startswith("cuda"):
+        raise SystemExit("torpor bench sleep --level3 needs a CUDA device (level 3 releases the CUDA context)")
     model = resolve_model(args.model, device)
     if device.startswith("cuda"):
         torch.zeros(1, device=device)
@@ -234,8 +236,6 @@ def run(args: argparse.Namespace) -> int:
     link = pinned_bandwidth(torch.device(device)) if device.startswith("cuda") else {}
     results: dict = dict(model=model, device=device, bare_mib=bare / MiB, link_gbps=link)
     if args.level3:
-        if not device.startswith("cuda"):
-            raise SystemExit("torpor bench sleep --level3 needs a CUDA device (level 3 releases the CUDA context)")
         return run_level3(args, model, results)
     if not args.skip_untagged:
         llm, _ = build(model, args, untagged_phases=("runtime",))
