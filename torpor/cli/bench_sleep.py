@@ -211,7 +211,8 @@ def report_level3(r: dict) -> None:
         table.add_row(row["name"], f"{row['sleep_s']:.3f}", f"{row['copied_mib']:.0f}", f"{row['wake_s']:.3f}",
                       f"{row['process_awake_mib']:.0f}", f"{row['process_asleep_mib']:.0f}", f"{row['asleep_mib']:.0f}")
     console.print(table)
-    console.print("(process MiB -1: NVML does not list this PID, e.g. another PID namespace)")
+    console.print("(process MiB -1: no NVML reading; 0 while awake: NVML does not list this PID, e.g. another PID "
+                  "namespace, and the asleep 0 proves nothing)")
     for h in r["harness"]:
         verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
         console.print(f"harness {h['name']}: {verdict} (sleep {h['sleep_s']:.3f} s, wake {h['wake_s']:.3f} s)")
