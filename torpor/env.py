@@ -43,6 +43,9 @@ class Env:
     # Tensor parallelism's collectives on CUDA: "torpor" (default: a symmetric buffer that sleeps with the
     # engine, tensor_exchange.py) or "nccl" (NCCL's communicator, ~1 GiB per GPU that stays while asleep).
     tp_comm: str
+    # torpor.memory debug switch: before a sleep keeps a host copy marked clean instead of copying again,
+    # hash the device bytes and the copy and raise StaleCopyError if they differ (a write nobody declared).
+    verify_clean_copies: bool = False
 
     @classmethod
     def read(cls) -> Env:
@@ -54,4 +57,5 @@ class Env:
             gemm=_choice("TORPOR_GEMM", ("cublaslt", "torch")),
             traceback=os.environ.get("TORPOR_TRACEBACK", "") not in ("", "0"),
             tp_comm=_choice("TORPOR_TP_COMM", ("torpor", "nccl")),
+            verify_clean_copies=_choice("TORPOR_VERIFY_CLEAN_COPIES", ("0", "1")) == "1",
         )

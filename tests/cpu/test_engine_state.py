@@ -117,10 +117,11 @@ def test_failed_sleep_from_level_zero_stays_paused(starved):
 
 
 def test_failed_sleep_with_the_backup_folder_gone_stays_paused(tiny_model_path, tmp_path):
-    """The TMPDIR-deleted case: the level-1 sleep cannot write its host copies."""
+    """The TMPDIR-deleted case: the level-1 sleep cannot write its host copies (none reserved ahead)."""
     folder = tmp_path / "backup"
     folder.mkdir()
-    llm = LLM(tiny_model_path, memory=MemoryManager("cpu", backup_dir=str(folder)), **ENGINE)
+    llm = LLM(tiny_model_path, memory=MemoryManager("cpu", backup_dir=str(folder)), reserve_host_copies=False,
+              **ENGINE)
     llm.sleep(0)
     folder.rmdir()
     with pytest.raises(Exception, match=r"backup|No such file"):

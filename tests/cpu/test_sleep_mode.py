@@ -151,8 +151,10 @@ def test_weights_must_be_restored_after_level_two(llm):
 
 
 def test_bad_sleep_input(llm):
-    with pytest.raises(ValueError, match="sleep level"):
-        llm.sleep(3)
+    with pytest.raises(ValueError, match="sleep level must be one of 0, 1, 2, 3, 4"):
+        llm.sleep(5)
+    with pytest.raises(ValueError, match="sleep level must be"):
+        llm.sleep(True)
     with pytest.raises(ValueError, match="mode"):
         llm.sleep(1, mode="later")
     llm.sleep(1)

@@ -6,6 +6,12 @@ runtime state left untagged (an engine that does not tag it) to show the saving;
 seconds at levels 1 and 2 against bytes / measured pinned bandwidth; a full wake against a cold
 start of the same engine (load + profiling + graph capture); then the bit-exact harness
 (`--requests`, default 64) and a soak of `--soak-cycles` cycles.
+
+`--level3` measures issue 15 instead (CUDA only): start-up with and without the host copies reserved in
+the background, the first level-1 sleep once they are, a re-sleep that keeps the weights' clean host copy,
+a sleep after a weight write, levels 3 and 4 (the CUDA context released: the process's device memory by
+NVML, sleep and wake seconds), the bit-exact harness over the level-3 paths, and a soak of `--soak-cycles`
+cycles alternating level 3 with levels 1 and 2.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--soak-cycles", type=int, default=20)
     p.add_argument("--skip-untagged", action="store_true", help="skip the untagged-runtime comparison")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--level3", action="store_true", help="measure sleep levels 3/4, the first sleep with "
+                   "reserved host copies and the re-sleep without copying (CUDA only; see above)")
     p.set_defaults(func=run)
 
 
@@ -62,22 +70,22 @@ def build(model: str, args: argparse.Namespace, **options):
     return llm, time.perf_counter() - start
 
 
-def cold_start_process(model: str, args: argparse.Namespace) -> float:
+def cold_start_process(model: str, args: argparse.Namespace, options: str = "") -> float:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (interpreter and torch import, CUDA context, load,
     profiling, graph capture; Triton's disk cache and the OS page cache are warm, as for a restart)."""
     import subprocess
 
-    code = ("import sys, torch; from torpor.engine import LLM, SamplingParams; "
+    code = ("import sys, time, torch; from torpor.engine import LLM, SamplingParams; "
             f"llm = LLM({model!r}, device={args.device!r}, max_num_seqs={args.max_num_seqs}, "
-            f"max_model_len={args.max_model_len}); "
-            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); print('READY', flush=True)")
-    start = time.perf_counter()
+            f"max_model_len={args.max_model_len}{options}); "
+            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); print('READY', time.time(), flush=True)")
+    start = time.time()  # the child reports when its first token came: its exit is not start-up
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    seconds = time.perf_counter() - start
-    if "READY" not in out.stdout:
+    ready = [line.split() for line in out.stdout.splitlines() if line.startswith("READY ")]
+    if not ready:
         raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    return seconds
+    return float(ready[-1][1]) - start
 
 
 def memory_figures(llm, device: str, level: int) -> dict:
@@ -85,10 +93,13 @@ def memory_figures(llm, device: str, level: int) -> dict:
     awake = llm.memory_usage()
     report = llm.sleep(level)
     asleep = llm.memory_usage()
-    audit = llm.memory.audit()  # what stays while asleep: the default pool, and outside any allocator
+    if level >= 3:  # the context is checkpointed: no allocator to audit
+        audit = type("NoAudit", (), dict(tagged_bytes=0, untagged_bytes=0, other_bytes=0))()
+    else:
+        audit = llm.memory.audit()  # what stays while asleep: the default pool, and outside any allocator
     start = time.perf_counter()
     result = llm.wake_up()
-    if level == 2:
+    if level in (2, 4):
         llm.reload_weights()
     wake_s = time.perf_counter() - start
     return dict(level=level, awake_mib=awake["device_used_bytes"] / MiB, asleep_mib=asleep["device_used_bytes"] / MiB,
@@ -100,6 +111,107 @@ def memory_figures(llm, device: str, level: int) -> dict:
                       for t, u in awake["tags"].items()})
 
 
+def level3_cycle(llm, level: int, name: str) -> dict:
+    """One sleep at `level` and a full wake (+ reload after 2 and 4), wall seconds, with NVML's reading of
+    this process's device memory (taken by the checkpoint helper) awake and asleep."""
+    from torpor.memory import checkpoint
+
+    awake = llm.memory_usage()
+    awake_nvml = checkpoint.device_readings()
+    start = time.perf_counter()
+    report = llm.sleep(level)
+    sleep_s = time.perf_counter() - start
+    asleep = llm.memory_usage()
+    asleep_nvml = checkpoint.device_readings()
+    start = time.perf_counter()
+    llm.wake_up()
+    if level in (2, 4):
+        llm.reload_weights()
+    wake_s = time.perf_counter() - start
+    held = checkpoint.current()
+    row = dict(name=name, level=level, sleep_s=sleep_s, wake_s=wake_s,
+               copied_mib=(report.bytes_copied if report else 0) / MiB,
+               awake_mib=awake["device_used_bytes"] / MiB, asleep_mib=asleep["device_used_bytes"] / MiB,
+               process_awake_mib=awake_nvml.get("process_bytes", -MiB) / MiB,
+               process_asleep_mib=asleep_nvml.get("process_bytes", -MiB) / MiB,
+               context_released=asleep["context_released"], checkpoint_active_after_wake=held is not None)
+    print(f"{name}: sleep {sleep_s:.3f} s (copied {row['copied_mib']:.0f} MiB), wake {wake_s:.3f} s; process "
+          f"{row['process_awake_mib']:.0f} MiB awake, {row['process_asleep_mib']:.0f} MiB asleep (NVML); device in "
+          f"use asleep {row['asleep_mib']:.0f} MiB", flush=True)
+    return row
+
+
+def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
+    """Issue 15's figures; see the module docstring."""
+    from torpor.engine.sleep_harness import fixed_requests, level3_scenarios, level3_soak_scenarios, run_harness, soak
+    from torpor.memory import checkpoint, cuda_driver
+
+    checkpoint.check_support(cuda_driver.pci_bus_id(torch.cuda.current_device()))  # clear error if unsupported
+    for label, options in (("start_s_reserving", ""), ("start_s_not_reserving", ", reserve_host_copies=False")):
+        results[label] = cold_start_process(model, args, options)
+    print(f"start-up to first token in a new process: {results['start_s_reserving']:.2f} s reserving host copies, "
+          f"{results['start_s_not_reserving']:.2f} s not", flush=True)
+    llm, build_s = build(model, args)
+    reservation = llm.engine.host_reservation
+    reservation.wait()
+    results["build_s"] = build_s
+    results["reservation"] = dict(seconds=reservation.seconds, gib=reservation.reserved_bytes / 2**30,
+                                  error=None if reservation.error is None else str(reservation.error))
+    print(f"host copies reserved in the background: {reservation.reserved_bytes / 2**30:.2f} GiB in "
+          f"{reservation.seconds:.2f} s (engine built in {build_s:.1f} s)", flush=True)
+    rows = [level3_cycle(llm, 1, "level 1, first sleep (copies reserved)"),
+            level3_cycle(llm, 1, "level 1, re-sleep (weights' copy kept)")]
+    llm.engine.mark_weights_dirty()  # what update_weights / reload_weights / a push declare
+    rows.append(level3_cycle(llm, 1, "level 1 after a weight write"))
+    rows.append(level3_cycle(llm, 3, "level 3"))
+    rows.append(level3_cycle(llm, 3, "level 3 (again)"))
+    rows.append(level3_cycle(llm, 4, "level 4 (+ reload_weights)"))
+    results["rows"] = rows
+    requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
+    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
+                          for s in run_harness(llm, requests, cases=level3_scenarios())]
+    soaked = soak(llm, requests[:16], args.soak_cycles, log=print, cases=level3_soak_scenarios())
+    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles,
+                           device_slope_mib=soaked.drift(soaked.device_bytes),
+                           host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes))
+    report_level3(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
+    return 0 if exact else 1
+
+
+def report_level3(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160) if not sys.stdout.isatty() else Console()
+    link = ", ".join(f"{k} {v:.1f} GB/s" for k, v in r["link_gbps"].items())
+    slower = r["start_s_reserving"] / r["start_s_not_reserving"] - 1
+    console.print(f"{r['model']} on {r['device']}; bare context {r['bare_mib']:.0f} MiB; pinned link {link}; "
+                  f"start-up to first token {r['start_s_reserving']:.2f} s reserving host copies, "
+                  f"{r['start_s_not_reserving']:.2f} s not ({slower:+.1%}; goal <= +5%); reserved "
+                  f"{r['reservation']['gib']:.2f} GiB in {r['reservation']['seconds']:.2f} s")
+    table = Table(title="sleep levels 1, 3, 4 (goals: first sleep <= 0.4 s, re-sleep <= 0.05 s, level 3 asleep "
+                        "0 MiB in the process, level-3 wake <= level-1 wake + 0.3 s)")
+    for col in ("case", "sleep s", "copied MiB", "wake s", "process awake MiB (NVML)", "process asleep MiB (NVML)",
+                "device in use asleep MiB"):
+        table.add_column(col, justify="right")
+    for row in r["rows"]:
+        table.add_row(row["name"], f"{row['sleep_s']:.3f}", f"{row['copied_mib']:.0f}", f"{row['wake_s']:.3f}",
+                      f"{row['process_awake_mib']:.0f}", f"{row['process_asleep_mib']:.0f}", f"{row['asleep_mib']:.0f}")
+    console.print(table)
+    console.print("(process MiB -1: no NVML reading; 0 while awake: NVML does not list this PID, e.g. another PID "
+                  "namespace, and the asleep 0 proves nothing)")
+    for h in r["harness"]:
+        verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
+        console.print(f"harness {h['name']}: {verdict} (sleep {h['sleep_s']:.3f} s, wake {h['wake_s']:.3f} s)")
+    s = r["soak"]
+    console.print(f"level-3 soak: {s['exact']}/{s['cycles']} cycles exact, device drift {s['device_slope_mib']:+.3f} "
+                  f"MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.3f} MiB/cycle")
+
+
 def run(args: argparse.Namespace) -> int:
     from torpor.cli.bench_memory import pinned_bandwidth
     from torpor.engine.sleep_harness import fixed_requests, run_harness, soak
@@ -107,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     args.device = device
+    if args.level3 and not device.startswith("cuda"):
+        raise SystemExit("torpor bench sleep --level3 needs a CUDA device (level 3 releases the CUDA context)")
     model = resolve_model(args.model, device)
     if device.startswith("cuda"):
         torch.zeros(1, device=device)
@@ -115,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
     bare = device_used_bytes(device)
     link = pinned_bandwidth(torch.device(device)) if device.startswith("cuda") else {}
     results: dict = dict(model=model, device=device, bare_mib=bare / MiB, link_gbps=link)
+    if args.level3:
+        return run_level3(args, model, results)
     if not args.skip_untagged:
         llm, _ = build(model, args, untagged_phases=("runtime",))
         results["untagged_runtime"] = memory_figures(llm, device, 1)
@@ -127,7 +243,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"cold start: {cold_s:.1f} s in this process, {results['cold_start_process_s']:.1f} s as a new process",
           flush=True)
     # The first level-1 sleep also pins the host buffers the later ones reuse.
+    # level1_first: right after start-up, while the host copies may still be being reserved in the background
+    # (the sleep takes the rest over); level1: a full copy, as after a weight update (the re-sleep that keeps a
+    # clean copy is measured by --level3).
     for name, level in (("level1_first", 1), ("level1", 1), ("level2", 2)):
+        llm.engine.mark_weights_dirty()
         results[name] = figures = memory_figures(llm, device, level)
         print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
               f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)

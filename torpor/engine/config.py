@@ -46,6 +46,10 @@ class EngineConfig:
     # Measurement only: start-up phases left outside their memory tag (e.g. ("runtime",) reproduces an
     # engine that does not tag its runtime state, to show what tagging it saves).
     untagged_phases: tuple[str, ...] = ()
+    # Sleep mode: reserve (pin) the host copies a level-1 sleep needs in the background after start-up, so
+    # the first sleep runs as fast as the later ones. Holds host memory of the weights' size; off where the
+    # host is short of it (the first sleep then pins them itself).
+    reserve_host_copies: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -69,6 +73,8 @@ class EngineConfig:
                      "tensor_parallel_size"):
             _check_positive_int(name, getattr(self, name))
         _check_int("seed", self.seed)
+        if not isinstance(self.reserve_host_copies, bool):
+            raise ValueError(f"reserve_host_copies must be True or False, got {self.reserve_host_copies!r}")
         if self.block_size & (self.block_size - 1):
             # The Triton decode kernel tiles one block with tl.arange, which needs a power of two.
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

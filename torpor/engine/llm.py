@@ -141,9 +141,10 @@ class LLM:
     def sleep(self, level: int = 1, mode: str = "wait"):
         """Level 0: pause scheduling. Level 1: weights and runtime state to host memory, KV cache
         and scratch discarded. Level 2: as 1, but the weights are discarded too (then
-        `reload_weights` or `update_weights`). `mode`: "wait" lets running requests finish first,
-        "abort" ends them. Returns the memory report (None for a no-op or level 0). A sleep that
-        fails leaves the engine as it was."""
+        `reload_weights` or `update_weights`). Levels 3 and 4: as 1 and 2, plus this process's whole CUDA
+        context released (0 MiB of device memory; CUDA, one GPU per process, driver >= 570; see
+        docs/sleep-mode.md). `mode`: "wait" lets running requests finish first, "abort" ends them. Returns
+        the memory report (None for a no-op or level 0). A sleep that fails leaves the engine as it was."""
         with self._lock:
             report = self.engine.sleep(level, mode)
             self._lock.notify_all()

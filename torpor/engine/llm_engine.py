@@ -9,6 +9,7 @@ weights validity, per-tag state) and `memory_usage()` (every tensor-parallel ran
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -20,9 +21,11 @@ from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import Sequence
-from torpor.engine.sleep_mode import SleepMode, WakeResult
+from torpor.engine.sleep_mode import LEVELS, SleepMode, WakeResult
 from torpor.engine.tokenizer import OutputText, Tokenizer
-from torpor.memory import Report
+from torpor.memory import CheckpointError, CheckpointUnsupportedError, Report
+
+logger = logging.getLogger("torpor.engine")
 
 SLEEP_MODES = ("wait", "abort")
 
@@ -41,7 +44,7 @@ class EngineState:
     """What the engine does now: the one state both front ends show."""
 
     serving: bool                 # requests run: awake (no sleep level) and the weights valid
-    sleep_level: int | None       # None = awake; 0 = paused; 1, 2 = memory released
+    sleep_level: int | None       # None = awake; 0 = paused; 1, 2 = memory released; 3, 4 = and the context
     weights_valid: bool           # False from a level-2 sleep until reload_weights / update_weights
     tags: dict[str, str]          # memory tag -> "awake" | "asleep" (empty without sleep mode)
     num_running: int = 0          # requests in the running batch
@@ -98,6 +101,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._request_ids = itertools.count()
+        self.host_reservation = self._reserve_host_copies()
 
     # ---- requests ----------------------------------------------------------------------
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -183,6 +187,8 @@ class LLMEngine:
         and streamed ones that gained tokens) and any a sleep produced meanwhile. Runs nothing while the
         engine does not serve."""
         outputs, self._pending = self._pending, []
+        if self.context_released:
+            return outputs  # no CUDA call while the context is checkpointed (the scheduler is paused anyway)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return outputs
@@ -245,9 +251,15 @@ class LLMEngine:
         """Per-tag bytes and states, the sleep level, the device memory in use (rank 0's device); under
         tensor parallelism also "ranks": each rank's device, its memory in use and its tags."""
         mode = self._sleep_mode()
+        tags = {tag: asdict(usage) for tag, usage in self.memory.usage().items()}
+        reservation = self.host_reservation
         usage = {"level": mode.level, "device_used_bytes": self.memory.device_used_bytes(),
-                 "weights_discarded": mode.weights_discarded,
-                 "tags": {tag: asdict(usage) for tag, usage in self.memory.usage().items()}}
+                 "weights_discarded": mode.weights_discarded, "context_released": mode.context_released,
+                 "host_backup_bytes": sum(t["host_backup_bytes"] for t in tags.values()),
+                 "host_reservation": None if reservation is None else
+                 {"done": reservation.done, "reserved_bytes": reservation.reserved_bytes,
+                  "error": None if reservation.error is None else str(reservation.error)},
+                 "tags": tags}
         rank_usage = getattr(self.model_runner, "rank_usage", None)
         if rank_usage is not None:
             usage["ranks"] = rank_usage()
@@ -261,19 +273,26 @@ class LLMEngine:
 
     # ---- sleep mode (see sleep_mode.py) ------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "wait") -> Report | None:
-        """Level 0 pauses scheduling; 1 and 2 also release memory (see sleep_mode.py). Running requests
-        are finished first (`mode="wait"`, new ones are not started) or aborted (`"abort"`); their
-        outputs come out of the next `step`. Same or shallower level while asleep: no-op (None).
-        A sleep that fails leaves the engine as it was before (same level, serving if it served)."""
+        """Level 0 pauses scheduling; 1 and 2 also release memory; 3 and 4 are 1 and 2 plus the CUDA context
+        (see sleep_mode.py). Running requests are finished first (`mode="wait"`, new ones are not started)
+        or aborted (`"abort"`); their outputs come out of the next `step`. A sleep that deepens nothing is a
+        no-op (None). A sleep that fails leaves the engine as it was before (same level, serving if it
+        served); level 3/4's preconditions are checked before anything is touched."""
         sleep_mode = self._sleep_mode()
         if mode not in SLEEP_MODES:
             raise ValueError(f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
         plan = sleep_mode.plan(level)
         if plan is None:
             return None
+        release = sleep_mode.releases_context(level)
+        if release and not sleep_mode.context_released:
+            self._check_context_release(level)
+        before = sleep_mode.level
         try:
             if sleep_mode.level in (None, 0):  # requests may be running
                 self._settle_running(mode)
+            if sleep_mode.context_released and plan:
+                self._restore_context()  # dropping host copies needs the context
             report = self.memory.sleep(plan) if plan else None
         except BaseException:
             self._sync_scheduler()  # the level did not change: the scheduler goes back to what it did
@@ -282,7 +301,54 @@ class LLMEngine:
         self._sync_scheduler()
         if self.model_runner.device.type == "cuda" and plan:
             torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
+        if release:
+            self._release_context(level, before)
         return report
+
+    def _check_context_release(self, level: int) -> None:
+        """Level 3/4's preconditions: one CUDA device per engine process, the driver's checkpoint API."""
+        if self.model_runner.device.type != "cuda":
+            raise CheckpointUnsupportedError(
+                f"sleep level {level} releases the CUDA context; this engine runs on {self.model_runner.device}, "
+                "which has none (levels 0-2 work on every device)")
+        if self.config.tensor_parallel_size > 1:
+            raise CheckpointUnsupportedError(
+                f"sleep level {level} releases the CUDA context through the driver's checkpoint API, which does "
+                "not support several processes sharing memory (tensor parallel): such an engine sleeps at levels 0-2")
+        self.memory.check_checkpoint()
+
+    def _release_context(self, level: int, before: int | None) -> None:
+        """Checkpoint the context after the tags slept. On failure the tags' sleep is undone where it can be
+        (level 3 from awake: the engine serves again); a level-4 sleep stays at level 2 (weights discarded)."""
+        sleep_mode = self.sleep_mode
+        try:
+            self.memory.checkpoint_context()
+        except Exception as exc:
+            if self.memory.is_context_checkpointed():  # stuck checkpointed: only a wake's restore may help
+                sleep_mode.after_sleep(level, context_released=True)
+                state = f"the engine stays asleep at level {sleep_mode.level}: wake_up() retries the restore"
+            elif before is None and not sleep_mode.weights_discarded:
+                self.memory.wake()
+                self.scheduler.reset_blocks()  # the KV cache came back zeroed
+                sleep_mode.level = None
+                state = "the engine is awake and serving as before"
+            else:
+                state = (f"the engine stays asleep at level {sleep_mode.level}" + (
+                    " (weights discarded: wake_up() then reload_weights())" if sleep_mode.weights_discarded else ""))
+            self._sync_scheduler()
+            raise CheckpointError(f"sleep level {level}: releasing the CUDA context failed ({exc}); {state}") from exc
+        sleep_mode.after_sleep(level, context_released=True)
+        self._sync_scheduler()
+
+    def _restore_context(self) -> None:
+        """Restore the checkpointed context (before any tag is touched). On failure it stays checkpointed."""
+        self.memory.restore_context()
+        self.sleep_mode.context_released = False
+
+    @property
+    def context_released(self) -> bool:
+        """Whether the CUDA context is checkpointed (level 3/4 until a wake): nothing may make a CUDA call."""
+        return self.sleep_mode is not None and self.sleep_mode.context_released
 
     def _settle_running(self, mode: str) -> None:
         if mode == "abort":
@@ -302,10 +368,14 @@ class LLMEngine:
         sleep_mode = self._sleep_mode()
         targets = sleep_mode.wake_targets(tags)
         try:
+            if sleep_mode.context_released:
+                self._restore_context()  # the context first, then the tags
             report = self.memory.wake(targets)
+            if "weights" in targets:
+                self.memory.mark_clean("weights")  # unwritten since the wake: the next level-1 sleep keeps the copy
             if "kv_cache" in targets:
                 self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
-            if sleep_mode.level is not None and not self.memory.is_sleeping():
+            if sleep_mode.level is not None and not self.memory.is_sleeping() and not sleep_mode.context_released:
                 sleep_mode.level = None  # every tag awake: a wake ends any sleep, level 0 included
         finally:
             self._sync_scheduler()
@@ -314,6 +384,7 @@ class LLMEngine:
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
         self._weights_awake("reload_weights")
+        self.mark_weights_dirty()
         self.model_runner.reload_weights(path or self.config.model)
         self._weights_restored()
 
@@ -321,6 +392,7 @@ class LLMEngine:
         """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's
         push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
         self._weights_awake("update_weights")
+        self.mark_weights_dirty()
         strict = self.sleep_mode is not None and self.sleep_mode.weights_discarded
         count = self.model_runner.update_weights(named_tensors, strict=strict)
         self._weights_restored()
@@ -367,3 +439,31 @@ class LLMEngine:
             sleep_mode.after_sleep(1)
         self._sync_scheduler()
         return report
+
+    def mark_weights_dirty(self) -> None:
+        """Every path that writes the weights calls this first (reload, update, a trainer's push): the next
+        level-1 sleep then copies them again instead of keeping the host copy made before."""
+        if self.memory is not None and "weights" in self.memory.tags():
+            self.memory.mark_dirty("weights")
+
+    def _reserve_host_copies(self):
+        """Start reserving (pinning) the host copies a level-1 sleep needs, in the background, so the first
+        sleep runs as fast as the later ones (`EngineConfig.reserve_host_copies`)."""
+        if not self.config.reserve_host_copies or self.memory is None:
+            return None
+        present = self.memory.tags()
+        tags = [t for t, action in LEVELS[1].items() if action == "offload" and t in present]
+        usage = self.memory.usage()
+        need = sum(usage[t].reserved_bytes for t in tags)
+        logger.info("reserving %.2f GiB of host memory for the host copies of %s in the background, so the first "
+                    "sleep runs at link speed (reserve_host_copies=False turns it off)", need / 2**30, ", ".join(tags))
+        return self.memory.reserve_host_in_background(tags, on_done=_log_reservation)
+
+
+def _log_reservation(reservation) -> None:
+    if reservation.error is not None:
+        logger.warning("reserving host copies stopped after %.2f GiB: %s (the first sleep makes the rest)",
+                       reservation.reserved_bytes / 2**30, reservation.error)
+    else:
+        logger.info("host copies reserved: %.2f GiB of host memory in %.2f s", reservation.reserved_bytes / 2**30,
+                    reservation.seconds)

@@ -94,11 +94,36 @@ def scenarios() -> list[Scenario]:
     ]
 
 
-def run_harness(llm, requests: list[Request], log: Callable[[str], None] = print) -> list[Scenario]:
-    """The first awake round, then every scenario followed by a round compared with it."""
+def level3_scenarios() -> list[Scenario]:
+    """The paths of sleep levels 3 and 4 (the CUDA context released too; CUDA only)."""
+    return [
+        Scenario("level 3, full wake", _cycle(3, [None])),
+        Scenario("level 3, wake weights then kv_cache", _cycle(3, [["weights"], ["kv_cache"]])),
+        Scenario("level 3 + reload_weights", _cycle(3, [["weights"], ["kv_cache"]], "reload")),
+        Scenario("level 4 + update_weights", _cycle(4, [["weights"], ["kv_cache"]], "update")),
+    ]
+
+
+def level3_soak_scenarios() -> list[Scenario]:
+    """Level 3 alternating with levels 1 and 2, selective wakes among them (one reload per period: a
+    reload of an 8B checkpoint costs seconds)."""
+    return [
+        Scenario("level 3, full wake", _cycle(3, [None])),
+        Scenario("level 1, full wake", _cycle(1, [None])),
+        Scenario("level 3, wake weights then kv_cache", _cycle(3, [["weights"], ["kv_cache"]])),
+        Scenario("level 2 + reload_weights", _cycle(2, [["weights"], ["kv_cache"]], "reload")),
+        Scenario("level 3, full wake (again)", _cycle(3, [None])),
+        Scenario("level 1, wake weights then kv_cache", _cycle(1, [["weights"], ["kv_cache"]])),
+    ]
+
+
+def run_harness(llm, requests: list[Request], log: Callable[[str], None] = print,
+                cases: list[Scenario] | None = None) -> list[Scenario]:
+    """The first awake round, then every scenario (default: `scenarios()`) followed by a round compared
+    with it."""
     reference = run_round(llm, requests)
     results = []
-    for scenario in scenarios():
+    for scenario in cases if cases is not None else scenarios():
         scenario.sleep_s, scenario.wake_s, scenario.asleep_bytes = scenario.run(llm)
         scenario.mismatches = len(differences(reference, run_round(llm, requests)))
         log(f"{scenario.name}: {len(requests) - scenario.mismatches}/{len(requests)} bit-identical "
@@ -135,11 +160,12 @@ class SoakResult:
         return num / den / 2**20
 
 
-def soak(llm, requests: list[Request], cycles: int, log: Callable[[str], None] | None = None) -> SoakResult:
-    """`cycles` sleep/wake cycles alternating levels and selective wakes, each followed by a round
-    that must equal the first; device memory and host RSS recorded after every wake."""
+def soak(llm, requests: list[Request], cycles: int, log: Callable[[str], None] | None = None,
+         cases: list[Scenario] | None = None) -> SoakResult:
+    """`cycles` sleep/wake cycles alternating levels and selective wakes (default: `scenarios()`), each
+    followed by a round that must equal the first; device memory and host RSS recorded after every wake."""
     reference = run_round(llm, requests)
-    patterns = scenarios()
+    patterns = cases if cases is not None else scenarios()
     result = SoakResult(cycles, 0, [], [], period=len(patterns))
     for cycle in range(cycles):
         patterns[cycle % len(patterns)].run(llm)

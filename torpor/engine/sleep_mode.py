@@ -11,6 +11,13 @@
 Level 0 only pauses scheduling. Any wake restores every tag except `weights` and `kv_cache`, which
 wake when named or when everything wakes. Runtime state is offloaded at every level and comes back
 at the same addresses, so captured CUDA graphs stay valid.
+
+Levels 3 and 4 are levels 1 and 2 plus the process's whole CUDA context released through the driver's
+checkpoint API (`MemoryManager.checkpoint_context`): 0 MiB of device memory in the engine's process.
+Level 3 = level 1's tag actions + the context; level 4 = level 2's (weights discarded) + the context. The
+state is two steps, tags (level 1 or 2) and context (kept or released); a sleep while asleep goes to the
+deeper of each (3 then 2 = 4, 2 then 3 = 4) and is a no-op when it deepens neither. Any wake restores the
+context first, then the tags.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from torpor.memory import MemoryManager, Report
 
 SLEEP_TAGS = ("weights", "kv_cache", "runtime", "workspace", "cuda_graph")
 DEFERRED_TAGS = frozenset({"weights", "kv_cache"})  # wake only when named, or when all wake
+CONTEXT_LEVELS = {3: 1, 4: 2}  # levels that also release the CUDA context -> the tag level they build on
+SLEEP_LEVELS = (0, 1, 2, 3, 4)
 LEVELS = {
     1: {"weights": "offload", "kv_cache": "discard", "runtime": "offload", "workspace": "discard",
         "cuda_graph": "offload"},
@@ -46,6 +55,7 @@ class SleepMode:
         self.memory = memory
         self.level: int | None = None
         self.weights_discarded = False  # zero-filled by a level-2 sleep until reloaded or updated
+        self.context_released = False  # the CUDA context is checkpointed (level 3 or 4, until a wake)
 
     @property
     def tags(self) -> list[str]:
@@ -55,16 +65,34 @@ class SleepMode:
 
     def plan(self, level: int) -> dict[str, str] | None:
         """The memory actions of `sleep(level)` from the current state; None when it is a no-op
-        (same or shallower level). Level 1 -> 2 only drops the weights' host copy."""
-        if isinstance(level, bool) or level not in (0, 1, 2):
-            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
-        if self.level is not None and level <= self.level:
+        (deepens neither the tags nor the context). Deeper tags while asleep only drop the weights' host
+        copy. Levels 3 and 4 also release the context: see `releases_context`."""
+        if type(level) is not int or level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {', '.join(map(str, SLEEP_LEVELS))}, got {level!r}")
+        if self.level is not None and not (self._deeper_tags(level) or self._deeper_context(level)):
             return None
         if level == 0:
             return {}
-        if self.level in (1, 2):  # deeper while asleep
-            return {"weights": "discard"}
-        return {tag: action for tag, action in LEVELS[level].items() if tag in self.tags}
+        if self.level not in (None, 0):  # deeper while asleep
+            return {"weights": "discard"} if self._deeper_tags(level) else {}
+        return {tag: action for tag, action in LEVELS[tag_level(level)].items() if tag in self.tags}
+
+    def releases_context(self, level: int) -> bool:
+        """Whether the CUDA context is to be released once `sleep(level)` has slept the tags."""
+        return level in CONTEXT_LEVELS or (self.context_released and self.level is not None)
+
+    def _deeper_tags(self, level: int) -> bool:
+        return tag_level(level) > tag_level(self.level or 0)
+
+    def _deeper_context(self, level: int) -> bool:
+        return level in CONTEXT_LEVELS and not self.context_released
+
+    def joined_level(self, level: int, context: bool) -> int:
+        """The level after `sleep(level)` from the current one, the context released or not."""
+        tags = max(tag_level(level), tag_level(self.level or 0))
+        if not context or tags == 0:
+            return tags
+        return {t: c for c, t in CONTEXT_LEVELS.items()}[tags]
 
     def wake_targets(self, tags: Iterable[str] | None) -> list[str]:
         """The sleeping tags a `wake_up(tags)` restores."""
@@ -80,7 +108,14 @@ class SleepMode:
             wanted |= set(SLEEP_TAGS) - DEFERRED_TAGS
         return [t for t in self.tags if t in wanted and self.memory.is_sleeping(t)]
 
-    def after_sleep(self, level: int) -> None:
-        self.level = level
-        if level == 2:
+    def after_sleep(self, level: int, context_released: bool = False) -> None:
+        """Record a sleep to `level` (the state afterwards: `joined_level`)."""
+        self.level = self.joined_level(level, context_released)
+        self.context_released = context_released
+        if tag_level(self.level) == 2:
             self.weights_discarded = True
+
+
+def tag_level(level: int | None) -> int | None:
+    """The tag level (0, 1 or 2) of a sleep level: 3 -> 1, 4 -> 2."""
+    return CONTEXT_LEVELS.get(level, level)

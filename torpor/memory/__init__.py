@@ -10,7 +10,13 @@
 Never imports the engine. See docs/memory.md.
 """
 
-from torpor.memory.manager import MemoryManager
+from torpor.memory.checkpoint import (
+    CheckpointError,
+    CheckpointReport,
+    CheckpointUnsupportedError,
+    ContextCheckpointedError,
+)
+from torpor.memory.manager import HostReservation, MemoryManager
 from torpor.memory.system import create_stream, device_used_bytes, process_rss_bytes
 from torpor.memory.types import (
     Action,
@@ -18,6 +24,7 @@ from torpor.memory.types import (
     HostMemoryError,
     LateAllocation,
     Report,
+    StaleCopyError,
     TagAsleepError,
     TagReport,
     TagState,
@@ -29,10 +36,16 @@ from torpor.memory.types import (
 __all__ = [
     "Action",
     "AuditReport",
+    "CheckpointError",
+    "CheckpointReport",
+    "CheckpointUnsupportedError",
+    "ContextCheckpointedError",
     "HostMemoryError",
+    "HostReservation",
     "LateAllocation",
     "MemoryManager",
     "Report",
+    "StaleCopyError",
     "TagAsleepError",
     "TagReport",
     "TagState",

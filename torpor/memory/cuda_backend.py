@@ -264,6 +264,15 @@ class CudaBackend(SegmentStore):
     def _finish_fills(self) -> None:
         cuda_driver.stream_synchronize(self._stream_handle())
 
+    def _read_device(self, segment: Segment, offset: int, size: int) -> bytes:
+        staging = (ctypes.c_char * size)()
+        cuda_driver.copy_d2h(ctypes.addressof(staging), segment.address + offset, size, self._stream_handle())
+        cuda_driver.stream_synchronize(self._stream_handle())
+        return staging.raw
+
+    def _read_copy(self, segment: Segment, offset: int, size: int) -> bytes:
+        return ctypes.string_at(segment.backup.ptr + offset, size)
+
     # ---- readings ----------------------------------------------------------------------
     def allocated_bytes(self) -> tuple[dict[str, int], int]:
         """Bytes in live tensors per tag, and bytes of segments on this device that belong to no
@@ -284,6 +293,16 @@ class CudaBackend(SegmentStore):
 
     def device_used_bytes(self) -> int:
         return device_used_bytes(torch.device("cuda", self.device_index))
+
+    # ---- before a context checkpoint ---------------------------------------------------
+    def pci_bus_id(self) -> str:
+        """The device's PCI bus id, which NVML (in the checkpoint helper) finds it by."""
+        return cuda_driver.pci_bus_id(self.device_index)
+
+    def quiesce(self) -> None:
+        """No CUDA work of this backend left in flight: host copies freed, the device synchronized."""
+        self.wait_host_frees()
+        torch.cuda.synchronize(self.device_index)
 
 
 def _free_host_buffer(buffer: HostBuffer, device_index: int) -> None:

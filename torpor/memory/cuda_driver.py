@@ -161,3 +161,11 @@ def make_primary_context_current(device_index: int) -> None:
     device = check("cuDeviceGet", cu.cuDeviceGet(device_index))
     context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device))
     check("cuCtxSetCurrent", cu.cuCtxSetCurrent(context))
+
+
+def pci_bus_id(device_index: int) -> str:
+    """The device's PCI bus id, e.g. "0000:04:00.0" (the form NVML's nvmlDeviceGetHandleByPciBusId takes)."""
+    cu = driver()
+    device = check("cuDeviceGet", cu.cuDeviceGet(device_index))
+    raw = check("cuDeviceGetPCIBusId", cu.cuDeviceGetPCIBusId(32, device))
+    return raw.split(b"\0")[0].decode() if isinstance(raw, bytes) else str(raw).rstrip("\0")

@@ -19,6 +19,7 @@ import mmap
 import os
 import tempfile
 import threading
+from collections.abc import Collection
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,9 +97,9 @@ class HostBackend(SegmentStore):
         return out
 
     # ---- sleep / wake ------------------------------------------------------------------
-    def sleep(self, plan: dict[str, Action]) -> list[TagReport]:
+    def sleep(self, plan: dict[str, Action], clean: Collection[str] = ()) -> list[TagReport]:
         self.arena.drain()
-        return super().sleep(plan)
+        return super().sleep(plan, clean)
 
     def _reserve_backups(self, segments: list[Segment]) -> None:
         made: list[Segment] = []
@@ -146,7 +147,9 @@ class HostBackend(SegmentStore):
         segment.mapping.madvise(mmap.MADV_DONTNEED, 0, segment.size)
 
     def _restore(self, segment: HostChunk) -> None:
-        # The address range stayed mapped; released pages come back on first touch.
+        # The address range stayed mapped, so a write into a sleeping tag lands in fresh pages; drop them
+        # first: discarded memory comes back zero-filled and offloaded memory exactly as it was copied.
+        segment.mapping.madvise(mmap.MADV_DONTNEED, 0, segment.size)
         if not segment.holds_copy:
             return  # MADV_DONTNEED pages of a private anonymous mapping read back as zeros
         with memoryview(segment.mapping) as whole, whole[: segment.used] as part:
@@ -159,6 +162,12 @@ class HostBackend(SegmentStore):
 
     def _finish_fills(self) -> None:
         pass
+
+    def _read_device(self, segment: HostChunk, offset: int, size: int) -> bytes:
+        return segment.mapping[offset: offset + size]
+
+    def _read_copy(self, segment: HostChunk, offset: int, size: int) -> bytes:
+        return os.pread(segment.backup, size, offset)
 
     # ---- readings ----------------------------------------------------------------------
     def allocated_bytes(self) -> tuple[dict[str, int], int]:

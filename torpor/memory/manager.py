@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
 import traceback
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from torpor.memory import checkpoint
+from torpor.memory.checkpoint import CheckpointReport, CheckpointUnsupportedError, ContextCheckpointedError
 from torpor.memory.host_buffer import HOST_BACKUPS
 from torpor.memory.types import (
     Action,
@@ -54,6 +57,10 @@ class MemoryManager:
         self._active = Counter()  # tag -> number of open scopes, all threads
         self._sealed: set[str] = set()
         self._late: list[LateAllocation] = []
+        self._clean: set[str] = set()  # awake tags whose owner declared them unwritten since their wake
+        self._last_allocated: dict[str, int] = {}  # per tag, for readings while the context is checkpointed
+        self._last_device_used: int | None = None
+        self._reservation: HostReservation | None = None
         hook = _weak_hook(self)  # backends must not keep the manager alive
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"MemoryManager({str(device)!r}): CUDA is not available here; use 'cpu'")
@@ -78,7 +85,7 @@ class MemoryManager:
         """Let go of the tags' pools. Their memory returns to the device once their tensors are
         gone (CUDA: and `torch.cuda.empty_cache()` ran). Also done when the manager is collected."""
         backend = getattr(self, "_backend", None)
-        if backend is not None:
+        if backend is not None and not self.is_context_checkpointed():  # no CUDA call while checkpointed
             with self._lock:
                 backend.close()
 
@@ -99,9 +106,11 @@ class MemoryManager:
             yield from self._scope(name)
 
     def _scope(self, name: str) -> Iterator[None]:
+        self._check_context("a tag scope")
         with self._lock:
             self._awake_tag(name)
             self._active[name] += 1
+            self._mark_dirty(name)  # allocating in a tag writes it
         stack = self._stack()
         parent = stack[-1] if stack else None
         watch = self._watch(name)
@@ -128,6 +137,7 @@ class MemoryManager:
         Holds the allocation lock during the capture, like a tag scope (see cuda_backend)."""
         if self.device.type != "cuda":
             raise ValueError("graph_pool exists only for CUDA managers")
+        self._check_context("graph_pool")
         with self._scope_guard, self._lock:
             self._awake_tag(name)
             yield self._backend.pool_id(name)
@@ -154,6 +164,8 @@ class MemoryManager:
         host memory for the copies is missing, HostMemoryError is raised and every tag stays
         awake."""
         plan = {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
+        self._check_context("sleep")
+        self._stop_reservation()  # the sleep takes over what the background reservation has not done
         start = time.perf_counter()
         with self._lock, self._on_device():
             busy = [t for t in plan if self._active[t] and plan[t] is not Action.KEEP]
@@ -165,17 +177,20 @@ class MemoryManager:
                         and self._actions[tag] is Action.OFFLOAD):
                     self._backend.drop_copies(tag)
                     self._actions[tag] = Action.DISCARD
-            reports = self._backend.sleep(todo) if todo else []
+            reports = self._backend.sleep(todo, self._clean) if todo else []
             for tag, action in todo.items():
                 self._states[tag] = TagState.ASLEEP
                 self._actions[tag] = action
+                self._clean.discard(tag)
         return Report("sleep", tuple(reports), time.perf_counter() - start)
 
     def wake(self, tags: Iterable[str] | None = None) -> Report:
         """Wake the named tags (all sleeping tags when None). Offloaded memory comes back
         byte-identical, discarded memory zero-filled, both at the same addresses. If the device
-        has no room, WakeError is raised, nothing stays half-mapped and the call can be retried."""
+        has no room, WakeError is raised, nothing stays half-mapped and the call can be retried.
+        If this process's CUDA context is checkpointed (`checkpoint_context`), it is restored first."""
         start = time.perf_counter()
+        self.restore_context()
         with self._lock, self._on_device():
             names = list(self._states) if tags is None else [self._check_tag(t) for t in tags]
             plan = {t: self._actions[t] for t in names if self._states[t] is TagState.ASLEEP}
@@ -190,8 +205,105 @@ class MemoryManager:
         first sleep runs at the host link's speed instead of paying for pinning (~0.5 s/GiB). Returns
         the bytes reserved; raises HostMemoryError (nothing kept) when the host cannot hold them."""
         names = [self._check_tag(t) for t in tags]
+        self._check_context("reserve_host")
         with self._lock, self._on_device():
             return self._backend.reserve(names)
+
+    def reserve_host_in_background(self, tags: Iterable[str],
+                                   on_done: Callable[[HostReservation], None] | None = None) -> HostReservation:
+        """`reserve_host(tags)` on a background thread, one segment at a time, so that start-up does not
+        wait for it and a `sleep` never waits for more than one segment: a sleep stops the reservation and
+        makes what is missing itself. Returns a handle (`wait()`, `reserved_bytes`, `error`); `on_done(handle)`
+        runs on the background thread when it ends (not when a sleep stopped it)."""
+        names = [self._check_tag(t) for t in tags]
+        self._stop_reservation()
+        self._reservation = HostReservation(self, names, on_done)
+        return self._reservation
+
+    def _stop_reservation(self) -> None:
+        if self._reservation is not None:
+            self._reservation.stop()
+
+    def _reserve_one(self, names: list[str]) -> int | None:
+        """Reserve the host copy of the next segment of `names` that has none; None when none is left."""
+        if self.is_context_checkpointed():
+            return None
+        with self._lock, self._on_device():
+            return self._backend.reserve(names, max_segments=1)
+
+    # ---- clean host copies ---------------------------------------------------------------
+    def mark_clean(self, tag: str) -> int:
+        """Declare that nothing has written awake tag `tag` since it woke from its host copy, and that
+        every later write will be declared with `mark_dirty(tag)` first. Its next offload then keeps that
+        copy and only releases device memory (no copy). Returns the bytes whose copy is kept (0 when the
+        tag did not wake from a copy, e.g. it was discarded). TORPOR_VERIFY_CLEAN_COPIES=1 checks the
+        declaration with checksums at the sleep (StaleCopyError)."""
+        with self._lock:
+            self._check_tag(tag)
+            if self._states[tag] is TagState.ASLEEP:
+                raise ValueError(f"tag {tag!r} is asleep: mark_clean declares an awake tag unwritten")
+            self._clean.add(tag)
+            return self._backend.current_copy_bytes(tag)
+
+    def mark_dirty(self, tag: str) -> None:
+        """Declare a write to `tag` (or one about to happen): its next offload copies it again. Every path
+        that writes a tag marked clean must call this (a tag scope does it itself)."""
+        with self._lock:
+            self._mark_dirty(self._check_tag(tag))
+
+    def _mark_dirty(self, tag: str) -> None:
+        self._clean.discard(tag)
+        self._backend.mark_dirty(tag)
+
+    # ---- the CUDA context (level 3) --------------------------------------------------------
+    def check_checkpoint(self) -> None:
+        """Raise CheckpointUnsupportedError, touching nothing, when `checkpoint_context` cannot work here."""
+        with self._lock:
+            self._check_checkpointable()
+            checkpoint.check_support(self._backend.pci_bus_id())
+
+    def checkpoint_context(self, lock_timeout_s: float = 10.0, timeout_s: float = 300.0) -> CheckpointReport:
+        """Release this process's whole CUDA context through the driver's checkpoint API (see
+        torpor.memory.checkpoint): the process then holds no device memory. Sleep the tags first (the
+        driver copies at ~2 GB/s, tags move at link speed). Preconditions, checked before anything is
+        touched, raise CheckpointUnsupportedError: a CUDA manager, the driver API present (driver >= 570,
+        cuda-bindings), no tag scope open. Until `restore_context` (or `wake`) nothing in the process may
+        make a CUDA call; this manager's readings answer from known state. A failed checkpoint raises
+        CheckpointError with the process running as before."""
+        self._stop_reservation()  # before the lock: the reservation's thread takes it per segment
+        with self._lock:
+            self.check_checkpoint()
+            self.usage()  # refresh the readings given while checkpointed
+            self._last_device_used = self._backend.device_used_bytes()
+            self._backend.quiesce()
+            return checkpoint.checkpoint_process(lock_timeout_s=lock_timeout_s, timeout_s=timeout_s)
+
+    def restore_context(self, timeout_s: float = 300.0) -> CheckpointReport | None:
+        """Restore this process's checkpointed CUDA context (None when it is not checkpointed). The device
+        must have the memory the checkpoint held: if not, CheckpointError and it stays checkpointed."""
+        if not checkpoint.is_checkpointed():
+            return None
+        with self._lock:
+            return checkpoint.restore_process(timeout_s)
+
+    def is_context_checkpointed(self) -> bool:
+        """Whether this process's CUDA context is checkpointed (a local flag: no CUDA call)."""
+        if self.device.type != "cuda":
+            return False
+        return checkpoint.is_checkpointed()
+
+    def _check_checkpointable(self) -> None:
+        if self.device.type != "cuda":
+            raise CheckpointUnsupportedError(
+                f"checkpoint_context releases a CUDA context; this manager is on {self.device}, which has none")
+        scopes = sorted(t for t, n in self._active.items() if n)
+        if scopes:
+            raise CheckpointUnsupportedError(f"cannot checkpoint the CUDA context: tag scopes are open on {scopes}")
+
+    def _check_context(self, what: str) -> None:
+        if self.is_context_checkpointed():
+            raise ContextCheckpointedError(f"{what}: this process's CUDA context is checkpointed; call "
+                                           "restore_context() (or wake()) first")
 
     def is_sleeping(self, tag: str | None = None) -> bool:
         """Whether `tag` sleeps; with no tag, whether any tag sleeps."""
@@ -217,7 +329,11 @@ class MemoryManager:
     def usage(self) -> dict[str, TagUsage]:
         """Per tag: state, reserved / resident / offloaded / discarded / allocated bytes."""
         with self._lock:
-            allocated, _ = self._backend.allocated_bytes()
+            if self.is_context_checkpointed():  # no CUDA call: the last known allocations
+                allocated = self._last_allocated
+            else:
+                allocated, _ = self._backend.allocated_bytes()
+                self._last_allocated = allocated
             return {tag: self._usage_of(tag, allocated.get(tag, 0)) for tag in self._states}
 
     def _usage_of(self, tag: str, allocated: int) -> TagUsage:
@@ -230,8 +346,15 @@ class MemoryManager:
                         reserved - resident - offloaded, allocated, backup, len(segs), tag in self._sealed)
 
     def device_used_bytes(self) -> int:
-        """Device memory in use on the manager's device (CPU: this process's RSS)."""
-        return self._backend.device_used_bytes()
+        """Device memory in use on the manager's device (CPU: this process's RSS). While the context is
+        checkpointed: NVML's reading taken by the checkpoint helper, else the last known value."""
+        if self.is_context_checkpointed():
+            try:
+                return checkpoint.device_readings().get("used_bytes", self._last_device_used)
+            except checkpoint.CheckpointError:
+                return self._last_device_used
+        self._last_device_used = self._backend.device_used_bytes()
+        return self._last_device_used
 
     # ---- audit -------------------------------------------------------------------------
     def seal(self, tag: str) -> None:
@@ -242,6 +365,7 @@ class MemoryManager:
 
     def audit(self) -> AuditReport:
         """Memory outside every tag, and allocations made into sealed tags."""
+        self._check_context("audit")
         with self._lock:
             _, untagged = self._backend.allocated_bytes()
             used = self._backend.device_used_bytes()
@@ -269,6 +393,67 @@ class MemoryManager:
         if tag in self._sealed and tag not in self._stack():
             where = "".join(traceback.format_stack(limit=12)[:-3])
             self._late.append(LateAllocation(tag, size, where))
+
+
+class HostReservation:
+    """A background `reserve_host`: one segment at a time, each under the manager's lock, so a sleep waits
+    for one segment at most and then makes the missing copies itself (`stop()` ends it after the segment
+    in progress). `reserved_bytes` counts the host bytes made; `error` holds a HostMemoryError that ended it
+    early (what was reserved stays: it is used by the sleep)."""
+
+    def __init__(self, manager: MemoryManager, tags: list[str],
+                 on_done: Callable[[HostReservation], None] | None = None) -> None:
+        self.tags = tags
+        self._on_done = on_done
+        self.reserved_bytes = 0
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._manager = weakref.ref(manager)
+        self._thread = threading.Thread(target=self._run, name="torpor-reserve-host", daemon=True)
+        _RESERVATIONS.add(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                manager = self._manager()
+                made = manager._reserve_one(self.tags) if manager is not None else None
+                del manager
+                if made is None:
+                    break
+                self.reserved_bytes += made
+        except BaseException as exc:  # reported through `error`; the sleep reserves what is missing
+            self.error = exc
+        self.seconds = time.perf_counter() - start
+        if self._on_done is not None and not self._stop.is_set():
+            self._on_done(self)
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the reservation to end; whether it has."""
+        self._thread.join(timeout)
+        return self.done
+
+    def stop(self) -> None:
+        """End it after the segment in progress, and wait for that."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+_RESERVATIONS: weakref.WeakSet[HostReservation] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_reservations() -> None:
+    """A reservation must not be pinning memory while the interpreter (and the CUDA context) shut down."""
+    for reservation in list(_RESERVATIONS):
+        reservation.stop()
 
 
 def _weak_hook(manager: MemoryManager):

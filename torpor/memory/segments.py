@@ -18,11 +18,16 @@ allocator lock -> self.lock and cannot deadlock.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from torpor.memory.types import Action, HostMemoryError, TagReport, WakeError
+from torpor.env import Env
+from torpor.memory.types import Action, HostMemoryError, StaleCopyError, TagReport, WakeError
+
+VERIFY_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(eq=False)
@@ -34,6 +39,9 @@ class Segment:
     holds_copy: bool = False  # `backup` has this segment's bytes (asleep after an offload)
     backup: object | None = None  # backend host buffer, kept and reused across cycles
     used: int = 0  # bytes worth copying, from the start (host arenas); 0 = the whole segment
+    # `backup` still equals the device bytes: set by a wake from the copy, cleared by any declared write
+    # (`MemoryManager.mark_dirty`, a tag scope) and by a discard. Trusted only for tags marked clean.
+    copy_current: bool = False
 
     @property
     def copy_bytes(self) -> int:
@@ -79,23 +87,30 @@ class SegmentStore(ABC):
         return None
 
     # ---- the algorithm -----------------------------------------------------------------
-    def sleep(self, plan: dict[str, Action]) -> list[TagReport]:
-        """Release every segment of the tags in `plan` (offload or discard). All or nothing."""
+    def sleep(self, plan: dict[str, Action], clean: Collection[str] = ()) -> list[TagReport]:
+        """Release every segment of the tags in `plan` (offload or discard). All or nothing. Offloaded
+        segments of the tags in `clean` whose host copy is still current are not copied again."""
+        verify = Env.read().verify_clean_copies  # a bad value raises before anything is touched
         with self.lock:
             by_tag = {tag: [s for s in self.of_tag(tag) if s.resident] for tag in plan}
             offload = [s for tag, segs in by_tag.items() if plan[tag] is Action.OFFLOAD for s in segs]
-            self._check_host_budget(offload)
-            self._reserve_backups(offload)  # raises HostMemoryError; nothing released yet
+            kept = [s for s in offload if s.copy_current and s.tag in clean]
+            fresh = [s for s in offload if not (s.copy_current and s.tag in clean)]
+            self._check_host_budget(fresh)
+            self._reserve_backups(fresh)  # raises HostMemoryError; nothing released yet
             self._synchronize()
-            self._copy_out(offload)
+            if kept and verify:
+                self._verify_copies(kept)  # raises StaleCopyError; nothing released yet
+            self._copy_out(fresh)
             reports = []
             for tag, segs in by_tag.items():
                 for seg in segs:
                     self._release(seg)
                     seg.resident = False
                     seg.holds_copy = plan[tag] is Action.OFFLOAD
+                    seg.copy_current = seg.holds_copy
                 released = sum(s.size for s in segs)
-                copied = sum(s.copy_bytes for s in segs) if plan[tag] is Action.OFFLOAD else 0
+                copied = sum(s.copy_bytes for s in segs if s in fresh) if plan[tag] is Action.OFFLOAD else 0
                 reports.append(TagReport(tag, plan[tag], bytes_copied=copied, bytes_released=released))
             # A discarding sleep also gives back old host copies, last: freeing pinned memory holds the
             # driver (1.5 s for 16 GB measured), so the device memory goes back first.
@@ -127,17 +142,48 @@ class SegmentStore(ABC):
             reports = [self._wake_report(tag, plan[tag], [s for s in segs if s.tag == tag]) for tag in plan]
             for seg in segs:
                 seg.resident = True
+                seg.copy_current = seg.holds_copy  # refilled from the copy: they are equal again
                 seg.holds_copy = False
             self.asleep.difference_update(plan)
             return reports
 
-    def reserve(self, tags: list[str]) -> int:
-        """Make now the host buffers an offload of `tags` will need; returns the bytes they hold."""
+    def reserve(self, tags: list[str], max_segments: int | None = None) -> int | None:
+        """Make now the host buffers an offload of `tags` will need; returns the bytes they hold. With
+        `max_segments`, at most that many (None when no segment is left without one)."""
         with self.lock:
             segs = [s for tag in tags for s in self.of_tag(tag) if s.resident and s.backup is None]
+            if max_segments is not None:
+                if not segs:
+                    return None
+                segs = segs[:max_segments]
             self._check_host_budget(segs)
             self._reserve_backups(segs)  # raises HostMemoryError having freed what it made
             return sum(self.backup_size(s) for s in segs)
+
+    def mark_dirty(self, tag: str) -> None:
+        """The tag's device bytes may differ from its host copy from now on."""
+        with self.lock:
+            for seg in self.of_tag(tag):
+                seg.copy_current = False
+
+    def current_copy_bytes(self, tag: str) -> int:
+        """Bytes of the tag's resident segments whose host copy equals them (as far as declared)."""
+        with self.lock:
+            return sum(s.copy_bytes for s in self.of_tag(tag) if s.resident and s.copy_current)
+
+    def _verify_copies(self, segments: list[Segment]) -> None:
+        """Debug check (TORPOR_VERIFY_CLEAN_COPIES=1): each retained host copy hashes like the device bytes."""
+        for seg in segments:
+            device, copy = hashlib.blake2b(), hashlib.blake2b()
+            for offset in range(0, seg.copy_bytes, VERIFY_CHUNK_BYTES):
+                n = min(VERIFY_CHUNK_BYTES, seg.copy_bytes - offset)
+                device.update(self._read_device(seg, offset, n))
+                copy.update(self._read_copy(seg, offset, n))
+            if device.digest() != copy.digest():
+                raise StaleCopyError(
+                    f"tag {seg.tag!r} was written after it was marked clean without mark_dirty: its host copy of "
+                    f"the {seg.copy_bytes} bytes at {seg.address:#x} differs from the device bytes; nothing was "
+                    "released (call mark_dirty on every write path)")
 
     def drop_copies(self, tag: str) -> int:
         """Forget the host copy of a sleeping tag (it becomes discarded); returns bytes freed."""
@@ -149,6 +195,7 @@ class SegmentStore(ABC):
                     self._free_backup(seg)
                     seg.backup = None
                 seg.holds_copy = False
+                seg.copy_current = False
             return freed
 
     @staticmethod
@@ -208,3 +255,11 @@ class SegmentStore(ABC):
     @abstractmethod
     def _finish_fills(self) -> None:
         """Wait for the queued restores."""
+
+    @abstractmethod
+    def _read_device(self, segment: Segment, offset: int, size: int) -> bytes:
+        """`size` bytes of the resident segment from `offset` (debug checks only)."""
+
+    @abstractmethod
+    def _read_copy(self, segment: Segment, offset: int, size: int) -> bytes:
+        """`size` bytes of the segment's host copy from `offset` (debug checks only)."""

@@ -39,6 +39,10 @@ class WakeError(TorporMemoryError):
     """A wake could not get device memory; what it mapped was rolled back, host copies are kept."""
 
 
+class StaleCopyError(TorporMemoryError):
+    """Debug check: a host copy kept as clean differs from the device bytes (a write was not declared)."""
+
+
 class TagAsleepError(TorporMemoryError):
     """Memory of a sleeping tag was needed (a tag scope was entered while the tag sleeps)."""
 

@@ -64,8 +64,8 @@ class RPCRequest(BaseModel):
 
 @router.post("/sleep")
 async def sleep(request: Request, level: int = 1, mode: str = "wait") -> dict:
-    """Sleep at `level` (0 pause, 1 offload weights, 2 discard weights); `mode`: running requests
-    finish first ("wait") or are aborted ("abort")."""
+    """Sleep at `level` (0 pause, 1 offload weights, 2 discard weights, 3 and 4: 1 and 2 plus the CUDA
+    context released); `mode`: running requests finish first ("wait") or are aborted ("abort")."""
     return await _sleep(request.app.state.server, level, mode)
 
 
