@@ -134,6 +134,26 @@ def test_failed_sleep_with_the_backup_folder_gone_stays_paused(tiny_model_path, 
     assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux /proc")
+def test_failed_wake_leaves_one_consistent_state(tiny_model_path, tmp_path):
+    """The host copies are damaged while asleep (their files truncated through /proc): the wake fails, and
+    the state says asleep and not serving, the scheduler paused, generate names what to call."""
+    llm = LLM(tiny_model_path, memory=MemoryManager("cpu", backup_dir=str(tmp_path)), **ENGINE)
+    llm.sleep(1)
+    backups = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")
+               if os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(tmp_path))]
+    assert backups
+    for backup in backups:
+        os.truncate(backup, 0)
+    with pytest.raises(HostMemoryError, match="truncated"):
+        llm.wake_up()
+    state = llm.state
+    assert state.sleep_level == 1 and not state.serving and "asleep" in state.tags.values()
+    assert llm.engine.scheduler.paused and not llm.engine.has_work()
+    with pytest.raises(RuntimeError, match=r"wake_up\(\)"):
+        llm.generate([[5, 6, 7]], GREEDY)
+
+
 def _cpu_seconds(native_id: int) -> float:
     fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
