@@ -417,6 +417,13 @@ class HostReservation:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
+            manager = self._manager()
+            if manager is not None and manager.device.type == "cuda":
+                # A new thread has no current CUDA context; pinning host memory is a driver call that needs one.
+                from torpor.memory.cuda_driver import make_primary_context_current
+
+                make_primary_context_current(manager.device.index)
+            del manager
             while not self._stop.is_set():
                 manager = self._manager()
                 made = manager._reserve_one(self.tags) if manager is not None else None
