@@ -19,6 +19,10 @@ from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from torpor.memory import Report
 
 
+WEIGHTS_INVALID = ("the weights are invalid: a reload or update failed after writing part of them; call "
+                   "reload_weights() or a complete update_weights() before generating")
+
+
 class LLMEngine:
     """Tokenizer, scheduler and model runner; detokenizes outputs and applies stop strings."""
 
@@ -100,6 +104,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run it, record the tokens; returns the requests finished by this step
         (and any a sleep finished meanwhile). Runs nothing while the engine sleeps."""
+        if not self.model_runner.weights_valid and not self.scheduler.paused and not self.scheduler.is_finished():
+            raise RuntimeError(WEIGHTS_INVALID)  # (with sleep mode the scheduler is paused instead)
         finished, self._pending = self._pending, []
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
@@ -161,7 +167,10 @@ class LLMEngine:
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
         self._weights_awake("reload_weights")
-        self.model_runner.reload_weights(path or self.config.model)
+        try:
+            self.model_runner.reload_weights(path or self.config.model)
+        finally:
+            self._stop_if_weights_invalid()
         self._weights_restored()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -169,7 +178,10 @@ class LLMEngine:
         push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
         self._weights_awake("update_weights")
         strict = self.sleep_mode is not None and self.sleep_mode.weights_discarded
-        count = self.model_runner.update_weights(named_tensors, strict=strict)
+        try:
+            count = self.model_runner.update_weights(named_tensors, strict=strict)
+        finally:
+            self._stop_if_weights_invalid()
         self._weights_restored()
         return count
 
@@ -193,6 +205,16 @@ class LLMEngine:
         if self.sleep_mode is not None:
             self.sleep_mode.weights_discarded = False
             self._resume_if_ready(ends_pause=False)
+
+    def _stop_if_weights_invalid(self) -> None:
+        """A load or update that failed after writing part of the weights leaves a mix: never serve it.
+        With sleep mode the weights count as discarded (serving resumes after a complete reload or
+        update); without, `step` raises."""
+        if self.model_runner.weights_valid:
+            return
+        if self.sleep_mode is not None:
+            self.sleep_mode.weights_discarded = True
+            self.scheduler.pause()
 
     def _resume_if_ready(self, ends_pause: bool) -> bool:
         """Serve again once every tag is awake and the weights are valid; only a wake ends a level-0

@@ -1,0 +1,206 @@
+"""The fast path of `loader.load_weights`: checkpoint bytes -> reused host staging buffers -> parameters.
+
+The plan (loader.plan_checkpoint) says which elements of which checkpoint tensor go to which parameter
+view. Here every copy becomes byte ranges ("pieces") of its file; a contiguous copy is split into pieces
+of at most one buffer, so a 1.2 GB embedding streams through 128 MiB buffers. Pieces are packed in file
+order into batches (one `preadv` of one contiguous file range each). Up to `count` batches are read at
+once by a thread pool (reads release the GIL) into the `count` staging buffers, while the engine's
+stream copies finished batches into the parameters asynchronously (`copy_(non_blocking=True)` from
+pinned memory is a `cudaMemcpyAsync`); a buffer is refilled once the event recorded after its copies
+completed. Each copy is still `dst.copy_(src)` with `src` the same elements of the same bytes as
+`safe_open` would give, so the result is bit-identical to the plain loader (dtype conversion included).
+
+On CPU the same code runs with plain (pageable) buffers and synchronous copies.
+Tensor-parallel ranks read only the byte ranges of their slices when those are contiguous (row slices);
+column slices of row-parallel layers read the enclosing range.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torpor.engine.loader import CheckpointError, PlannedCopy, TensorEntry
+from torpor.memory.host_buffer import HostBuffer
+
+BUFFER_BYTES = 128 << 20
+BUFFER_COUNT = 8
+MAX_GAP_BYTES = 1 << 20  # bytes not needed between two pieces that a batch reads through rather than split
+_ALIGN = 64
+
+
+@dataclass
+class Piece:
+    """Bytes [start, start + nbytes) of `file` go to `dst` (for a split contiguous copy: a flat range of
+    elements of it). `src` views them: (dtype, shape, stride, element offset within the piece)."""
+
+    file: Path
+    start: int
+    nbytes: int
+    dst: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # elements from the piece's first byte to the view's first element
+
+
+@dataclass
+class Batch:
+    file: Path
+    start: int
+    end: int
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class StagingBuffers:
+    """Reused host buffers for loading: registered pinned memory for a CUDA device (the memory layer's
+    `HostBuffer`), plain anonymous memory on CPU. Grown on demand, freed by `close`."""
+
+    def __init__(self, device: torch.device | str, buffer_bytes: int = BUFFER_BYTES, count: int = BUFFER_COUNT,
+                 threads: int | None = None) -> None:
+        self.device = torch.device(device)
+        self.buffer_bytes, self.count = buffer_bytes, count
+        self.threads = threads or max(1, min(count, os.cpu_count() or 1))
+        self.kind = "pinned" if self.device.type == "cuda" else "pageable"
+        self.buffers: list[HostBuffer] = []
+
+    def take(self, count: int, nbytes: int) -> list[HostBuffer]:
+        """`count` buffers of at least `nbytes` each (kept for the next load)."""
+        if self.buffers and self.buffers[0].size < nbytes:
+            self.close()
+        while len(self.buffers) < count:
+            self.buffers.append(HostBuffer.allocate(max(nbytes, _ALIGN), self.kind))
+        return self.buffers[:count]
+
+    def close(self) -> None:
+        for buffer in self.buffers:
+            buffer.free()
+        self.buffers = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.buffers)
+
+
+def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], staging: StagingBuffers) -> int:
+    """Write every planned copy from the checkpoint files; returns the bytes read."""
+    by_name = {e.name: e for e in entries}
+    pieces = [p for c in copies for p in _pieces(by_name[c.name], c, staging.buffer_bytes)]
+    batches = _batches(pieces, staging.buffer_bytes)
+    if not batches:
+        return 0
+    count = min(staging.count, len(batches))
+    buffers = staging.take(count, max(staging.buffer_bytes if len(batches) > 1 else 0,
+                                      max(b.nbytes for b in batches) + _ALIGN))
+    views = [_as_bytes(b) for b in buffers]
+    on_gpu = staging.device.type == "cuda"
+    events: list[torch.cuda.Event | None] = [None] * count
+    fds = {f: os.open(f, os.O_RDONLY) for f in {b.file for b in batches}}
+    labels = {e.file: e.label for e in entries}
+
+    def read(i: int) -> None:
+        slot = i % count
+        if events[slot] is not None:
+            events[slot].synchronize()  # the copies out of this buffer are done
+        batch = batches[i]
+        _read_exactly(fds[batch.file], views[slot], batch.start % _ALIGN, batch, labels[batch.file])
+
+    pool = ThreadPoolExecutor(min(staging.threads, count), thread_name_prefix="torpor-load")
+    try:
+        futures = {i: pool.submit(read, i) for i in range(count)}
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                futures.pop(i).result()
+                slot = i % count
+                for piece in batch.pieces:
+                    _copy_piece(piece, views[slot], batch.start - batch.start % _ALIGN, on_gpu)
+                if on_gpu:
+                    events[slot] = torch.cuda.Event()
+                    events[slot].record()
+                if i + count < len(batches):
+                    futures[i + count] = pool.submit(read, i + count)
+        if on_gpu:
+            torch.cuda.current_stream().synchronize()  # the buffers' contents are reused by the next load
+    finally:
+        for future in futures.values():
+            future.cancel()
+        pool.shutdown(wait=True)
+        for fd in fds.values():
+            os.close(fd)
+    return sum(b.nbytes for b in batches)
+
+
+def _pieces(entry: TensorEntry, copy: PlannedCopy, max_bytes: int) -> list[Piece]:
+    """The byte ranges of `entry` that `copy` needs; a contiguous copy split into pieces of <= max_bytes."""
+    src, dst, size = copy.src, copy.dst, entry.dtype.itemsize
+    if src.numel() == 0:
+        return []
+    if src.is_contiguous() and dst.is_contiguous():
+        n, first = src.numel(), src.storage_offset()
+        step = max(1, max_bytes // size)
+        flat = dst.view(-1)
+        return [Piece(entry.file, entry.start + (first + a) * size, min(step, n - a) * size,
+                      flat[a : a + step], entry.dtype, (min(step, n - a),), (1,), 0)
+                for a in range(0, n, step)]
+    # A strided view (a column slice): read the enclosing range, view it with the same strides.
+    span = 1 + sum((d - 1) * s for d, s in zip(src.shape, src.stride(), strict=True))
+    return [Piece(entry.file, entry.start + src.storage_offset() * size, span * size, dst, entry.dtype,
+                  tuple(src.shape), tuple(src.stride()), 0)]
+
+
+def _batches(pieces: list[Piece], max_bytes: int) -> list[Batch]:
+    """Pieces in file order, packed into contiguous file ranges of at most max_bytes (a larger piece,
+    a strided one, gets a batch of its own)."""
+    batches: list[Batch] = []
+    for piece in sorted(pieces, key=lambda p: (str(p.file), p.start)):
+        last = batches[-1] if batches else None
+        end = piece.start + piece.nbytes
+        if (last is not None and last.file == piece.file and 0 <= piece.start - last.end <= MAX_GAP_BYTES
+                and end - last.start + _ALIGN <= max_bytes):
+            last.end = max(last.end, end)
+        else:
+            last = Batch(piece.file, piece.start, end)
+            batches.append(last)
+        last.pieces.append(piece)
+    return batches
+
+
+def _as_bytes(buffer: HostBuffer) -> torch.Tensor:
+    """A uint8 CPU tensor over the buffer's memory (no copy)."""
+    return torch.frombuffer((ctypes.c_uint8 * buffer.size).from_address(buffer.ptr), dtype=torch.uint8)
+
+
+def _read_exactly(fd: int, view: torch.Tensor, at: int, batch: Batch, label: str) -> None:
+    """File bytes [batch.start, batch.end) into view[at:]; the GIL is released while reading."""
+    done, total = 0, batch.nbytes
+    base = view.data_ptr() + at
+    while done < total:
+        chunk = memoryview((ctypes.c_char * (total - done)).from_address(base + done)).cast("B")
+        try:
+            n = os.preadv(fd, [chunk], batch.start + done)
+        except OSError as e:
+            raise CheckpointError(f"{label}: read failed ({e.strerror})", weights_written=True) from None
+        if n == 0:
+            raise CheckpointError(f"{label}: the file ended early (it changed while loading)", weights_written=True)
+        done += n
+
+
+def _copy_piece(piece: Piece, view: torch.Tensor, view_base: int, on_gpu: bool) -> None:
+    """dst.copy_(the piece's elements, as the checkpoint tensor's dtype, straight from the buffer)."""
+    at = piece.start - view_base
+    raw = view[at : at + piece.nbytes]
+    if raw.data_ptr() % piece.dtype.itemsize:
+        raw = raw.clone()  # an odd offset in the file: an aligned copy (never in files torpor writes)
+    src = raw.view(piece.dtype).as_strided(piece.shape, piece.stride, raw.view(piece.dtype).storage_offset()
+                                           + piece.offset)
+    piece.dst.copy_(src, non_blocking=on_gpu)
