@@ -18,7 +18,6 @@ from torpor.engine.sleep_mode import SleepMode, WakeResult
 from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from torpor.memory import Report
 
-
 WEIGHTS_INVALID = ("the weights are invalid: a reload or update failed after writing part of them; call "
                    "reload_weights() or a complete update_weights() before generating")
 
