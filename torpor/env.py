@@ -38,6 +38,8 @@ class Env:
     # The model's GEMMs on CUDA: "cublaslt" (default; torpor/engine/cublaslt.py says why) or "torch"
     # (F.linear, PyTorch's cuBLAS handle: +66 MiB of device memory per thread that stays while asleep).
     gemm: str
+    # TORPOR_DEBUG=1: the engine's debug log (`torpor.engine`: start-up phases, weight loads) on stderr.
+    debug: bool = False
 
     @classmethod
     def read(cls) -> Env:
@@ -47,4 +49,5 @@ class Env:
             admin_token=os.environ.get("TORPOR_ADMIN_TOKEN") or None,
             api_key=os.environ.get("TORPOR_API_KEY") or None,
             gemm=_choice("TORPOR_GEMM", ("cublaslt", "torch")),
+            debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
         )

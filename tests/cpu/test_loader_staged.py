@@ -57,13 +57,15 @@ def test_bit_identical_to_the_plain_loader(checkpoints, name, dtype):
     reference = garbage_model(path, dtype)
     load_weights_reference(reference, path)
     # Small buffers: tensors split over several pieces, batches reuse buffers, several reads in flight.
-    staging = StagingBuffers("cpu", buffer_bytes=8192, count=3, threads=2)
+    staging = StagingBuffers("cpu", buffer_bytes=8192, count=3, threads=2, keep=True)
     staged = garbage_model(path, dtype)
     load_weights(staged, path, staging)
     assert_same(staged, reference)
     assert all(torch.equal(a, b) for a, b in zip(staged.buffers(), reference.buffers(), strict=True))
     addresses = [p.data_ptr() for p in staged.parameters()]
+    buffers = [b.ptr for b in staging.buffers]
     load_weights(staged, path, staging)  # the same buffers again, the same parameter addresses
+    assert [b.ptr for b in staging.buffers] == buffers
     assert [p.data_ptr() for p in staged.parameters()] == addresses
     assert_same(staged, reference)
     staging.close()

@@ -6,6 +6,12 @@ runtime state left untagged (an engine that does not tag it) to show the saving;
 seconds at levels 1 and 2 against bytes / measured pinned bandwidth; a full wake against a cold
 start of the same engine (load + profiling + graph capture); then the bit-exact harness
 (`--requests`, default 64) and a soak of `--soak-cycles` cycles.
+
+Weights (`--loader-only` runs just these): the same reload through the plain loader (safe_open, one
+tensor at a time) and the staged loader (parallel reads into pinned staging buffers, async copies) side
+by side, with the page cache warm (every shard read once just before) and cold (posix_fadvise
+DONTNEED on every shard first; no effect on tmpfs); a level-2 wake followed by a reload; and a cold
+start in a new process split into its phases (TORPOR_DEBUG's start-up lines).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import time
 
@@ -32,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=64, help="requests in the bit-exact batch")
     p.add_argument("--soak-cycles", type=int, default=20)
     p.add_argument("--skip-untagged", action="store_true", help="skip the untagged-runtime comparison")
+    p.add_argument("--loader-only", action="store_true", help="only the weight-loading rows (reload old vs new "
+                   "path, level-2 wake + reload, cold start phases)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=run)
 
@@ -89,6 +98,108 @@ def cold_start_process(model: str, args: argparse.Namespace) -> float:
     return seconds
 
 
+PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
+
+
+def cold_start_phases(model: str, args: argparse.Namespace) -> dict:
+    """A cold start in a new process, timed by phase: interpreter + imports (measured inside), then
+    the engine's own start-up phases (TORPOR_DEBUG=1 lines), then the first token."""
+    import os
+    import subprocess
+
+    code = ("import time; t0 = time.perf_counter(); import torch; from torpor.engine import LLM, SamplingParams; "
+            "print('IMPORTS', time.perf_counter() - t0, flush=True); "
+            f"llm = LLM({model!r}, device={args.device!r}, max_num_seqs={args.max_num_seqs}, "
+            f"max_model_len={args.max_model_len}); t1 = time.perf_counter(); print('ENGINE', t1 - t0, flush=True); "
+            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); "
+            "print('FIRST_TOKEN', time.perf_counter() - t1, flush=True)")
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TORPOR_DEBUG="1"))
+    total = time.perf_counter() - start  # includes the interpreter's own start and exit
+    if "FIRST_TOKEN" not in out.stdout:
+        raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    values = dict(line.split() for line in out.stdout.splitlines()
+                  if line.startswith(("IMPORTS", "ENGINE", "FIRST_TOKEN")))
+    phases = {"imports": float(values["IMPORTS"])}
+    for name, seconds in PHASE_LINE.findall(out.stderr):
+        phases[name] = phases.get(name, 0.0) + float(seconds)
+    # The engine's start-up outside the runner's phases: config, tokenizer, MemoryManager, scheduler.
+    phases["engine_other"] = float(values["ENGINE"]) - sum(phases.values())
+    phases["first_token"] = float(values["FIRST_TOKEN"])
+    return dict(total_s=total, phases=phases)
+
+
+def drop_page_cache(files) -> None:
+    """Ask the kernel to drop the files' cached pages (a cold read follows; no effect on tmpfs)."""
+    import os
+
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_page_cache(files) -> None:
+    """Read every file once (what "page cache warm" means in these rows)."""
+    for file in files:
+        with open(file, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def loader_figures(llm, model: str, device: str) -> dict:
+    """Reload seconds and GB/s, plain loader against the staged one, page cache warm and cold; then a
+    level-2 wake + reload. Both loaders write the same parameters; the answers are checked unchanged."""
+    from torpor.engine.loader import checkpoint_files, load_weights_reference, read_headers
+
+    runner = llm.engine.model_runner
+    local = getattr(runner, "local", runner)  # rank 0 under tensor parallelism
+    files = checkpoint_files(model)
+    nbytes = sum(e.nbytes for e in read_headers(model))
+
+    def timed(fn) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        with local.engine_stream.scope():
+            fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    paths = {"old": lambda: load_weights_reference(local.model, model), "new": lambda: local.reload_weights(model)}
+    rows = {}
+    for cache in ("warm", "cold"):
+        for name, fn in paths.items():
+            if cache == "warm":
+                warm_page_cache(files)
+            else:
+                drop_page_cache(files)
+            seconds = min(timed(fn) for _ in range(2 if cache == "warm" else 1))
+            rows[f"{name}_{cache}"] = dict(seconds=seconds, gbps=nbytes / 1e9 / seconds)
+            print(f"reload {name} path, page cache {cache}: {seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s",
+                  flush=True)
+    warm_page_cache(files)
+    llm.sleep(2)
+    start = time.perf_counter()
+    llm.wake_up()
+    woke = time.perf_counter()
+    llm.reload_weights()
+    _sync(device)
+    done = time.perf_counter()
+    wake = dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
+    print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
+          flush=True)
+    return dict(checkpoint_gb=nbytes / 1e9, reload=rows, level2_wake_reload=wake)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def memory_figures(llm, device: str, level: int) -> dict:
     """Device memory awake and asleep at `level`, per tag; leaves the engine awake."""
     awake = llm.memory_usage()
@@ -122,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     bare = used_bytes(device)
     link = pinned_bandwidth(torch.device(device)) if device.startswith("cuda") else {}
     results: dict = dict(model=model, device=device, bare_mib=bare / MiB, link_gbps=link)
+    if args.loader_only:
+        return run_loader(model, args, results)
     if not args.skip_untagged:
         llm, _ = build(model, args, untagged_phases=("runtime",))
         results["untagged_runtime"] = memory_figures(llm, device, 1)
@@ -138,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
         results[name] = figures = memory_figures(llm, device, level)
         print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
               f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
+    results["loader"] = loader_figures(llm, model, device)
+    results["cold_start_phases"] = cold_start_phases(model, args)
     requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
     results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
                           for s in run_harness(llm, requests)]
@@ -151,6 +266,48 @@ def run(args: argparse.Namespace) -> int:
             json.dump(results, f, indent=1)
     exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
     return 0 if exact else 1
+
+
+def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
+    """`--loader-only`: the weight rows, and the answers before and after every reload compared."""
+    from torpor.engine import SamplingParams
+    from torpor.engine.sleep_harness import differences, fixed_requests, run_round
+
+    llm, results["cold_start_s"] = build(model, args)
+    requests = fixed_requests(8, llm.engine.vocab_size, max_prompt=64, max_tokens=16)
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=sp.max_tokens, ignore_eos=True)) for p, sp in requests]
+    before = run_round(llm, requests)
+    results["loader"] = loader_figures(llm, model, args.device)
+    results["loader"]["answers_unchanged"] = not differences(before, run_round(llm, requests))
+    results["cold_start_phases"] = cold_start_phases(model, args)
+    report_loader(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if results["loader"]["answers_unchanged"] else 1
+
+
+def report_loader(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160) if not sys.stdout.isatty() else Console()
+    loader = r["loader"]
+    table = Table(title=f"reload of {loader['checkpoint_gb']:.2f} GB ({r['model']} on {r['device']}): plain vs staged")
+    for col in ("path", "page cache", "seconds", "GB/s"):
+        table.add_column(col, justify="right")
+    for key, row in loader["reload"].items():
+        path, cache = key.split("_")
+        table.add_row("plain (safe_open)" if path == "old" else "staged", cache, f"{row['seconds']:.3f}",
+                      f"{row['gbps']:.1f}")
+    console.print(table)
+    w = loader["level2_wake_reload"]
+    console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, reload {w['reload_s']:.3f} s)")
+    if "answers_unchanged" in loader:
+        console.print(f"answers after the reloads: {'unchanged' if loader['answers_unchanged'] else 'CHANGED'}")
+    c = r["cold_start_phases"]
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
+    console.print(f"cold start in a new process: {c['total_s']:.2f} s; phases (s): {phases}")
 
 
 def report(r: dict) -> None:
@@ -187,6 +344,7 @@ def report(r: dict) -> None:
     for h in r["harness"]:
         verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
         console.print(f"harness {h['name']}: {verdict}")
+    report_loader(r)
     s = r["soak"]
     console.print(f"soak: {s['exact']}/{s['cycles']} cycles exact, device drift {s['device_slope_mib']:+.3f} "
                   f"MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.3f} MiB/cycle (slope of each scenario's "

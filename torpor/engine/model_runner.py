@@ -48,6 +48,17 @@ from torpor.engine.weight_staging import StagingBuffers
 logger = logging.getLogger("torpor.engine")
 
 
+def debug_logging() -> None:
+    """With TORPOR_DEBUG=1, print `torpor.engine`'s debug lines (start-up phases, loads) on stderr."""
+    from torpor.env import Env
+
+    if Env.read().debug and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s torpor.engine %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+
+
 @contextlib.contextmanager
 def timed_phase(name: str) -> Iterator[None]:
     """Log, at debug level on `torpor.engine`, how long one start-up phase took."""
@@ -61,6 +72,7 @@ class ModelRunner:
     number of KV blocks the scheduler may hand out (the scratch block excluded)."""
 
     def __init__(self, config: EngineConfig, memory=None) -> None:
+        debug_logging()
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             with timed_phase("cuda_init"):

@@ -67,8 +67,11 @@ class StagingBuffers:
     `HostBuffer`), plain anonymous memory on CPU. Grown on demand, freed by `close`."""
 
     def __init__(self, device: torch.device | str, buffer_bytes: int = BUFFER_BYTES, count: int = BUFFER_COUNT,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, keep: bool | None = None) -> None:
+        """`keep`: hold the buffers between loads (default: on CUDA, where pinning them costs time; on
+        CPU they are plain memory, given back after each load so they do not add to the resident set)."""
         self.device = torch.device(device)
+        self.keep = self.device.type == "cuda" if keep is None else keep
         self.buffer_bytes, self.count = buffer_bytes, count
         self.threads = threads or max(1, min(count, os.cpu_count() or 1))
         self.kind = "pinned" if self.device.type == "cuda" else "pageable"
@@ -137,6 +140,8 @@ def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], 
         pool.shutdown(wait=True)
         for fd in fds.values():
             os.close(fd)
+        if not staging.keep:
+            staging.close()
     return sum(b.nbytes for b in batches)
 
 
