@@ -89,7 +89,7 @@ def test_stream_failing_midway_stops_serving_until_a_reload(llm, reference):
         yield good[0][0], good[0][1] * 2
         yield "model.embed_tokens.weight", torch.ones(3, 3)
 
-    with pytest.raises(CheckpointError, match="failed after writing 1 tensors.*shape mismatch"):
+    with pytest.raises(CheckpointError, match=r"failed after writing 1 tensors.*shape mismatch"):
         llm.update_weights(stream())
     with pytest.raises(RuntimeError, match="reload_weights"):  # at once: no hang, no mixed answers
         llm.generate(PROMPTS, GREEDY)

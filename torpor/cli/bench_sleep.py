@@ -302,7 +302,8 @@ def report_loader(r: dict) -> None:
                       f"{row['gbps']:.1f}")
     console.print(table)
     w = loader["level2_wake_reload"]
-    console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, reload {w['reload_s']:.3f} s)")
+    console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
+                  f"reload {w['reload_s']:.3f} s)")
     if "answers_unchanged" in loader:
         console.print(f"answers after the reloads: {'unchanged' if loader['answers_unchanged'] else 'CHANGED'}")
     c = r["cold_start_phases"]

@@ -301,16 +301,15 @@ def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
     tensor on its own device (NaN propagates into min and max; ±inf is the min or the max): no bool
     temporary of the tensor's size, 30x faster than `isfinite().all()` on CPU; one synchronization per
     device for all of them."""
-    flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    extremes: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, tensor in enumerate(tensors):
         if tensor.numel() and tensor.is_floating_point():
-            low, high = torch.aminmax(tensor)
-            flags.setdefault(tensor.device, []).append((i, torch.isfinite(low) & torch.isfinite(high)))
+            extremes.setdefault(tensor.device, []).append((i, torch.stack(torch.aminmax(tensor)).float()))
     bad = []
-    for device_flags in flags.values():
-        stacked = torch.stack([f for _, f in device_flags])
-        if not bool(stacked.all()):
-            bad.append(device_flags[int((~stacked).nonzero()[0])][0])
+    for found in extremes.values():
+        finite = torch.isfinite(torch.stack([e for _, e in found])).all(dim=1)  # [num_tensors]
+        if not bool(finite.all()):
+            bad.append(found[int((~finite).nonzero()[0])][0])
     return min(bad) if bad else None
 
 
