@@ -170,6 +170,9 @@ def loader_figures(llm, model: str, device: str) -> dict:
         return time.perf_counter() - start
 
     paths = {"old": lambda: load_weights_reference(local.model, model), "new": lambda: local.reload_weights(model)}
+    instanttensor = _instanttensor_path(local.model, files, device)
+    if instanttensor is not None:
+        paths["instanttensor"] = instanttensor
     rows = {}
     for cache in ("warm", "cold"):
         for name, fn in paths.items():
@@ -193,6 +196,25 @@ def loader_figures(llm, model: str, device: str) -> dict:
     print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
           flush=True)
     return dict(checkpoint_gb=nbytes / 1e9, reload=rows, level2_wake_reload=wake)
+
+
+def _instanttensor_path(model, files, device: str):
+    """The `instanttensor` package's reader (when installed, on CUDA) feeding the same parameters: its
+    own GPU ring buffer (outside torpor's memory tags), then one device copy per tensor."""
+    try:
+        import instanttensor
+    except ImportError:
+        return None
+    if not device.startswith("cuda"):
+        return None
+    from torpor.engine.loader import load_named_tensors
+
+    def load() -> None:
+        index = torch.cuda.current_device()
+        with instanttensor.safe_open([str(f) for f in files], framework="pt", device=index, copy=False) as f:
+            load_named_tensors(model, f.tensors(), strict=True)
+
+    return load
 
 
 def _sync(device: str) -> None:
@@ -297,9 +319,9 @@ def report_loader(r: dict) -> None:
     for col in ("path", "page cache", "seconds", "GB/s"):
         table.add_column(col, justify="right")
     for key, row in loader["reload"].items():
-        path, cache = key.split("_")
-        table.add_row("plain (safe_open)" if path == "old" else "staged", cache, f"{row['seconds']:.3f}",
-                      f"{row['gbps']:.1f}")
+        path, cache = key.rsplit("_", 1)
+        label = {"old": "plain (safe_open)", "new": "staged (torpor)"}.get(path, path)
+        table.add_row(label, cache, f"{row['seconds']:.3f}", f"{row['gbps']:.1f}")
     console.print(table)
     w = loader["level2_wake_reload"]
     console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
