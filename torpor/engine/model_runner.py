@@ -5,7 +5,8 @@ inside its memory tag (`memory.tag(...)`, or no scope without a MemoryManager), 
 buffer lands where sleep mode expects it:
 
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
-    weights      build_model + load_weights (parameters and the RoPE table)
+    weights      build_model (parameters and the RoPE table)
+    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state, and nested in it:
       kv_cache   the KV cache
@@ -108,12 +109,12 @@ class ModelRunner:
         if on_gpu:
             with self._tag("workspace"):
                 self.engine_stream.make_gemm_workspace()
-        with self._tag("weights"):
-            with timed_phase("model_build"):
-                self.model = build_model(self.model_config, self.backend, self.dtype, self.device,
-                                         config.max_model_len)
-            with timed_phase("weight_load"):
-                load_weights(self.model, config.model, self.staging)
+        with self._tag("weights"), timed_phase("model_build"):
+            self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
+        # Outside the tag, as every reload: the load writes into the parameters and allocates only
+        # temporaries (the finite check's), which must not stay cached in the weights' pool.
+        with timed_phase("weight_load"):
+            load_weights(self.model, config.model, self.staging)
         # Under tensor parallelism every rank must hold the blocks the scheduler (on rank 0) hands out.
         with timed_phase("kv_cache_sizing"):
             self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
