@@ -126,5 +126,7 @@ def test_without_sleep_mode_a_mix_raises_on_generate(tiny_model_path):
         llm.engine.update_weights(stream())
     with pytest.raises(RuntimeError, match=WEIGHTS_INVALID[:40]):
         llm.generate(PROMPTS, GREEDY)
+    with pytest.raises(ValueError, match="missing"):  # a part does not make the mix whole
+        llm.engine.update_weights(good[:1])
     llm.engine.update_weights(good)
     assert outputs(llm) == reference

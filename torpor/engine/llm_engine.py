@@ -176,7 +176,8 @@ class LLMEngine:
         """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's
         push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
         self._weights_awake("update_weights")
-        strict = self.sleep_mode is not None and self.sleep_mode.weights_discarded
+        discarded = self.sleep_mode is not None and self.sleep_mode.weights_discarded
+        strict = discarded or not self.model_runner.weights_valid  # after a mix, only the whole set will do
         try:
             count = self.model_runner.update_weights(named_tensors, strict=strict)
         finally:
