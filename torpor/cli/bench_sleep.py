@@ -80,30 +80,14 @@ def build(model: str, args: argparse.Namespace, **options):
     return llm, time.perf_counter() - start
 
 
-def cold_start_process(model: str, args: argparse.Namespace) -> float:
-    """Seconds from launching a new Python process to its first generated token with the same engine
-    options: what restarting costs instead of a wake (interpreter and torch import, CUDA context, load,
-    profiling, graph capture; Triton's disk cache and the OS page cache are warm, as for a restart)."""
-    import subprocess
-
-    code = ("import sys, torch; from torpor.engine import LLM, SamplingParams; "
-            f"llm = LLM({model!r}, device={args.device!r}, max_num_seqs={args.max_num_seqs}, "
-            f"max_model_len={args.max_model_len}); "
-            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); print('READY', flush=True)")
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    seconds = time.perf_counter() - start
-    if "READY" not in out.stdout:
-        raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    return seconds
-
-
 PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
 
 
 def cold_start_phases(model: str, args: argparse.Namespace) -> dict:
-    """A cold start in a new process, timed by phase: interpreter + imports (measured inside), then
-    the engine's own start-up phases (TORPOR_DEBUG=1 lines), then the first token."""
+    """Seconds from launching a new Python process to its first generated token with the same engine
+    options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
+    as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
+    (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token."""
     import os
     import subprocess
 
@@ -265,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
         _release(device)
     llm, cold_s = build(model, args)
     results["cold_start_s"] = cold_s  # in this process: CUDA context, kernels and page cache warm
-    results["cold_start_process_s"] = cold_start_process(model, args)
+    results["cold_start_phases"] = cold_start_phases(model, args)
+    results["cold_start_process_s"] = results["cold_start_phases"]["total_s"]
     print(f"cold start: {cold_s:.1f} s in this process, {results['cold_start_process_s']:.1f} s as a new process",
           flush=True)
     # The first level-1 sleep also pins the host buffers the later ones reuse.
@@ -274,7 +259,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
               f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
     results["loader"] = loader_figures(llm, model, device)
-    results["cold_start_phases"] = cold_start_phases(model, args)
     requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
     results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
                           for s in run_harness(llm, requests)]
