@@ -77,8 +77,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             with timed_phase("cuda_init"):
-                torch.cuda.set_device(self.device)
-                torch.cuda.init()
+                torch.cuda.set_device(self.device)  # creates the context (PyTorch's lazy init)
         if memory is not None and memory.device != self.device:
             raise ValueError(f"the MemoryManager is on {memory.device}, the engine on {self.device}")
         if tp_size() != config.tensor_parallel_size:

@@ -18,6 +18,7 @@ column slices of row-parallel layers read the enclosing range.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,10 @@ from pathlib import Path
 import torch
 
 from torpor.engine.loader import CheckpointError, PlannedCopy, TensorEntry
+from torpor.memory.cuda_driver import CudaDriverError
 from torpor.memory.host_buffer import HostBuffer
+
+logger = logging.getLogger("torpor.engine")
 
 BUFFER_BYTES = 128 << 20  # CUDA: 8 x 128 MiB pinned, kept (pinning costs ~50 ms per GiB)
 BUFFER_COUNT = 8
@@ -86,8 +90,19 @@ class StagingBuffers:
         if self.buffers and self.buffers[0].size < nbytes:
             self.close()
         while len(self.buffers) < count:
-            self.buffers.append(HostBuffer.allocate(max(nbytes, _ALIGN), self.kind))
+            self.buffers.append(self._allocate(max(nbytes, _ALIGN)))
         return self.buffers[:count]
+
+    def _allocate(self, nbytes: int) -> HostBuffer:
+        """Pinned where asked; plain memory when the host refuses to pin it (the copies are then staged
+        by the driver and synchronous: slower, equally correct, since a copy from pageable memory returns
+        only once the driver has taken the bytes)."""
+        if self.kind == "pinned":
+            try:
+                return HostBuffer.allocate(nbytes, "pinned")
+            except (MemoryError, ImportError, CudaDriverError) as e:
+                logger.warning("loader: no pinned staging memory (%s); using pageable buffers", e)
+        return HostBuffer.allocate(nbytes, "pageable")
 
     def close(self) -> None:
         for buffer in self.buffers:
@@ -161,10 +176,17 @@ def _pieces(entry: TensorEntry, copy: PlannedCopy, max_bytes: int) -> list[Piece
         return [Piece(entry.file, entry.start + (first + a) * size, min(step, n - a) * size,
                       flat[a : a + step], entry.dtype, (min(step, n - a),), (1,), 0)
                 for a in range(0, n, step)]
-    # A strided view (a column slice): read the enclosing range, view it with the same strides.
-    span = 1 + sum((d - 1) * s for d, s in zip(src.shape, src.stride(), strict=True))
-    return [Piece(entry.file, entry.start + src.storage_offset() * size, span * size, dst, entry.dtype,
-                  tuple(src.shape), tuple(src.stride()), 0)]
+    # A strided view (a column slice): read the enclosing range of groups of rows, each group viewed
+    # with the same strides (so no group needs more than one buffer unless a single row does).
+    rows = max(1, max_bytes // max(1, src.stride(0) * size)) if src.dim() else 1
+    pieces = []
+    for first in range(0, src.shape[0] if src.dim() else 1, rows):
+        part = src.narrow(0, first, min(rows, src.shape[0] - first)) if src.dim() else src
+        span = 1 + sum((d - 1) * s for d, s in zip(part.shape, part.stride(), strict=True))
+        pieces.append(Piece(entry.file, entry.start + part.storage_offset() * size, span * size,
+                            dst.narrow(0, first, part.shape[0]) if src.dim() else dst, entry.dtype,
+                            tuple(part.shape), tuple(part.stride()), 0))
+    return pieces
 
 
 def _batches(pieces: list[Piece], max_bytes: int) -> list[Batch]:
