@@ -193,3 +193,16 @@ def test_duplicate_tensor_across_shards(checkpoints, tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"\.safetensors: tensor 'model\.norm\.weight' is also in"):
         load_weights(new_model(src), path)
+
+
+def test_file_shrinking_after_the_plan_is_a_written_failure(checkpoints, tmp_path):
+    """Headers were fine, the data then vanished (the file was replaced while loading): the error says the
+    weights were written in part, so the engine stops serving them."""
+    path = _copy(checkpoints["qwen2"], tmp_path / "shrinks")
+    model = new_model(path)
+    entries, copies = plan_checkpoint(model, path)
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the file ended early") as error:
+        copy_planned(entries, copies, StagingBuffers("cpu", buffer_bytes=4096, count=2))
+    assert error.value.weights_written

@@ -138,8 +138,9 @@ def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], 
         _read_exactly(fds[batch.file], views[slot], batch.start % _ALIGN, batch, labels[batch.file])
 
     pool = ThreadPoolExecutor(min(staging.threads, count), thread_name_prefix="torpor-load")
+    futures = {}
     try:
-        futures = {i: pool.submit(read, i) for i in range(count)}
+        futures.update({i: pool.submit(read, i) for i in range(count)})
         with torch.no_grad():
             for i, batch in enumerate(batches):
                 futures.pop(i).result()
@@ -151,12 +152,13 @@ def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], 
                     events[slot].record()
                 if i + count < len(batches):
                     futures[i + count] = pool.submit(read, i + count)
-        if on_gpu:
-            torch.cuda.current_stream().synchronize()  # the buffers' contents are reused by the next load
     finally:
         for future in futures.values():
             future.cancel()
         pool.shutdown(wait=True)
+        if on_gpu:
+            # Copies still reading the buffers finish before anything refills or frees them (also on error).
+            torch.cuda.current_stream().synchronize()
         for fd in fds.values():
             os.close(fd)
         if not staging.keep:
