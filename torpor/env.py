@@ -46,6 +46,8 @@ class Env:
     # torpor.memory debug switch: before a sleep keeps a host copy marked clean instead of copying again,
     # hash the device bytes and the copy and raise StaleCopyError if they differ (a write nobody declared).
     verify_clean_copies: bool = False
+    # TORPOR_DEBUG=1: the engine's debug log (`torpor.engine`: start-up phases, weight loads) on stderr.
+    debug: bool = False
 
     @classmethod
     def read(cls) -> Env:
@@ -58,4 +60,5 @@ class Env:
             traceback=os.environ.get("TORPOR_TRACEBACK", "") not in ("", "0"),
             tp_comm=_choice("TORPOR_TP_COMM", ("torpor", "nccl")),
             verify_clean_copies=_choice("TORPOR_VERIFY_CLEAN_COPIES", ("0", "1")) == "1",
+            debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
         )

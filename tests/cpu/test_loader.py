@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
 from torpor.engine.checkpoint import make_model
-from torpor.engine.loader import iter_checkpoint, load_named_tensors, load_weights
+from torpor.engine.loader import CheckpointError, iter_checkpoint, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
 
 
@@ -96,7 +96,7 @@ def test_missing_files_are_named(qwen2, tmp_path):
         load_weights(model, tmp_path)
     sharded = make_model("tiny-qwen2", tmp_path / "sharded", progress=False, max_shard_bytes=100_000)
     (sharded / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"shard model-00002-of-00003\.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors: shard listed .* is missing"):
         load_weights(model, sharded)
 
 

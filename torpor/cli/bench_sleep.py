@@ -12,6 +12,12 @@ the background, the first level-1 sleep once they are, a re-sleep that keeps the
 a sleep after a weight write, levels 3 and 4 (the CUDA context released: the process's device memory by
 NVML, sleep and wake seconds), the bit-exact harness over the level-3 paths, and a soak of `--soak-cycles`
 cycles alternating level 3 with levels 1 and 2.
+
+Weights (`--loader-only` runs just these): the same reload through the plain loader (safe_open, one
+tensor at a time) and the staged loader (parallel reads into pinned staging buffers, async copies) side
+by side, with the page cache warm (every shard read once just before) and cold (posix_fadvise
+DONTNEED on every shard first; no effect on tmpfs); a level-2 wake followed by a reload; and a cold
+start in a new process split into its phases (TORPOR_DEBUG's start-up lines).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import time
 
@@ -38,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=64, help="requests in the bit-exact batch")
     p.add_argument("--soak-cycles", type=int, default=20)
     p.add_argument("--skip-untagged", action="store_true", help="skip the untagged-runtime comparison")
+    p.add_argument("--loader-only", action="store_true", help="only the weight-loading rows (reload old vs new "
+                   "path, level-2 wake + reload, cold start phases)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--level3", action="store_true", help="measure sleep levels 3/4, the first sleep with "
                    "reserved host copies and the re-sleep without copying (CUDA only; see above)")
@@ -70,22 +79,130 @@ def build(model: str, args: argparse.Namespace, **options):
     return llm, time.perf_counter() - start
 
 
-def cold_start_process(model: str, args: argparse.Namespace, options: str = "") -> float:
+PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
+
+
+def cold_start_phases(model: str, args: argparse.Namespace, options: str = "") -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
-    options: what restarting costs instead of a wake (interpreter and torch import, CUDA context, load,
-    profiling, graph capture; Triton's disk cache and the OS page cache are warm, as for a restart)."""
+    options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
+    as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
+    (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token."""
+    import os
     import subprocess
 
-    code = ("import sys, time, torch; from torpor.engine import LLM, SamplingParams; "
+    code = ("import time; t0 = time.perf_counter(); import torch; from torpor.engine import LLM, SamplingParams; "
+            "print('IMPORTS', time.perf_counter() - t0, flush=True); "
             f"llm = LLM({model!r}, device={args.device!r}, max_num_seqs={args.max_num_seqs}, "
-            f"max_model_len={args.max_model_len}{options}); "
-            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); print('READY', time.time(), flush=True)")
+            f"max_model_len={args.max_model_len}{options}); t1 = time.perf_counter(); "
+            "print('ENGINE', t1 - t0, flush=True); llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); "
+            "print('FIRST_TOKEN', time.perf_counter() - t1, flush=True); print('READY', time.time(), flush=True)")
     start = time.time()  # the child reports when its first token came: its exit is not start-up
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    ready = [line.split() for line in out.stdout.splitlines() if line.startswith("READY ")]
-    if not ready:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TORPOR_DEBUG="1"))
+    if "READY" not in out.stdout:
         raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    return float(ready[-1][1]) - start
+    total = float([line.split()[1] for line in out.stdout.splitlines() if line.startswith("READY ")][-1]) - start
+    values = dict(line.split() for line in out.stdout.splitlines()
+                  if line.startswith(("IMPORTS", "ENGINE", "FIRST_TOKEN")))
+    phases = {"imports": float(values["IMPORTS"])}
+    for name, seconds in PHASE_LINE.findall(out.stderr):
+        phases[name] = phases.get(name, 0.0) + float(seconds)
+    # The engine's start-up outside the runner's phases: config, tokenizer, MemoryManager, scheduler.
+    phases["engine_other"] = float(values["ENGINE"]) - sum(phases.values())
+    phases["first_token"] = float(values["FIRST_TOKEN"])
+    return dict(total_s=total, phases=phases)
+
+
+def drop_page_cache(files) -> None:
+    """Ask the kernel to drop the files' cached pages (a cold read follows; no effect on tmpfs)."""
+    import os
+
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_page_cache(files) -> None:
+    """Read every file once (what "page cache warm" means in these rows)."""
+    for file in files:
+        with open(file, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def loader_figures(llm, model: str, device: str) -> dict:
+    """Reload seconds and GB/s, plain loader against the staged one, page cache warm and cold; then a
+    level-2 wake + reload. Both loaders write the same parameters; the answers are checked unchanged."""
+    from torpor.engine.loader import checkpoint_files, load_weights_reference, read_headers
+
+    runner = llm.engine.model_runner
+    local = getattr(runner, "local", runner)  # rank 0 under tensor parallelism
+    files = checkpoint_files(model)
+    nbytes = sum(e.nbytes for e in read_headers(model))
+
+    def timed(fn) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        with local.engine_stream.scope():
+            fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    paths = {"old": lambda: load_weights_reference(local.model, model), "new": lambda: local.reload_weights(model)}
+    instanttensor = _instanttensor_path(local.model, files, device)
+    if instanttensor is not None:
+        paths["instanttensor"] = instanttensor
+    rows = {}
+    for cache in ("warm", "cold"):
+        for name, fn in paths.items():
+            if cache == "warm":
+                warm_page_cache(files)
+            else:
+                drop_page_cache(files)
+            seconds = min(timed(fn) for _ in range(2 if cache == "warm" else 1))
+            rows[f"{name}_{cache}"] = dict(seconds=seconds, gbps=nbytes / 1e9 / seconds)
+            print(f"reload {name} path, page cache {cache}: {seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s",
+                  flush=True)
+    warm_page_cache(files)
+    llm.sleep(2)
+    start = time.perf_counter()
+    llm.wake_up()
+    woke = time.perf_counter()
+    llm.reload_weights()
+    _sync(device)
+    done = time.perf_counter()
+    wake = dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
+    print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
+          flush=True)
+    return dict(checkpoint_gb=nbytes / 1e9, reload=rows, level2_wake_reload=wake)
+
+
+def _instanttensor_path(model, files, device: str):
+    """The `instanttensor` package's reader (when installed, on CUDA) feeding the same parameters: its
+    own GPU ring buffer (outside torpor's memory tags), then one device copy per tensor."""
+    try:
+        import instanttensor
+    except ImportError:
+        return None
+    if not device.startswith("cuda"):
+        return None
+    from torpor.engine.loader import load_named_tensors
+
+    def load() -> None:
+        index = torch.cuda.current_device()
+        with instanttensor.safe_open([str(f) for f in files], framework="pt", device=index, copy=False) as f:
+            load_named_tensors(model, f.tensors(), strict=True)
+
+    return load
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def memory_figures(llm, device: str, level: int) -> dict:
@@ -148,7 +265,7 @@ def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
 
     checkpoint.check_support(cuda_driver.pci_bus_id(torch.cuda.current_device()))  # clear error if unsupported
     for label, options in (("start_s_reserving", ""), ("start_s_not_reserving", ", reserve_host_copies=False")):
-        results[label] = cold_start_process(model, args, options)
+        results[label] = cold_start_phases(model, args, options)["total_s"]
     print(f"start-up to first token in a new process: {results['start_s_reserving']:.2f} s reserving host copies, "
           f"{results['start_s_not_reserving']:.2f} s not", flush=True)
     llm, build_s = build(model, args)
@@ -231,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict = dict(model=model, device=device, bare_mib=bare / MiB, link_gbps=link)
     if args.level3:
         return run_level3(args, model, results)
+    if args.loader_only:
+        return run_loader(model, args, results)
     if not args.skip_untagged:
         llm, _ = build(model, args, untagged_phases=("runtime",))
         results["untagged_runtime"] = memory_figures(llm, device, 1)
@@ -239,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
         _release(device)
     llm, cold_s = build(model, args)
     results["cold_start_s"] = cold_s  # in this process: CUDA context, kernels and page cache warm
-    results["cold_start_process_s"] = cold_start_process(model, args)
+    results["cold_start_phases"] = cold_start_phases(model, args)
+    results["cold_start_process_s"] = results["cold_start_phases"]["total_s"]
     print(f"cold start: {cold_s:.1f} s in this process, {results['cold_start_process_s']:.1f} s as a new process",
           flush=True)
     # The first level-1 sleep also pins the host buffers the later ones reuse.
@@ -251,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         results[name] = figures = memory_figures(llm, device, level)
         print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
               f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
+    results["loader"] = loader_figures(llm, model, device)
     requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
     results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
                           for s in run_harness(llm, requests)]
@@ -264,6 +385,49 @@ def run(args: argparse.Namespace) -> int:
             json.dump(results, f, indent=1)
     exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
     return 0 if exact else 1
+
+
+def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
+    """`--loader-only`: the weight rows, and the answers before and after every reload compared."""
+    from torpor.engine import SamplingParams
+    from torpor.engine.sleep_harness import differences, fixed_requests, run_round
+
+    llm, results["cold_start_s"] = build(model, args)
+    requests = fixed_requests(8, llm.engine.vocab_size, max_prompt=64, max_tokens=16)
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=sp.max_tokens, ignore_eos=True)) for p, sp in requests]
+    before = run_round(llm, requests)
+    results["loader"] = loader_figures(llm, model, args.device)
+    results["loader"]["answers_unchanged"] = not differences(before, run_round(llm, requests))
+    results["cold_start_phases"] = cold_start_phases(model, args)
+    report_loader(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if results["loader"]["answers_unchanged"] else 1
+
+
+def report_loader(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160) if not sys.stdout.isatty() else Console()
+    loader = r["loader"]
+    table = Table(title=f"reload of {loader['checkpoint_gb']:.2f} GB ({r['model']} on {r['device']}): plain vs staged")
+    for col in ("path", "page cache", "seconds", "GB/s"):
+        table.add_column(col, justify="right")
+    for key, row in loader["reload"].items():
+        path, cache = key.rsplit("_", 1)
+        label = {"old": "plain (safe_open)", "new": "staged (torpor)"}.get(path, path)
+        table.add_row(label, cache, f"{row['seconds']:.3f}", f"{row['gbps']:.1f}")
+    console.print(table)
+    w = loader["level2_wake_reload"]
+    console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
+                  f"reload {w['reload_s']:.3f} s)")
+    if "answers_unchanged" in loader:
+        console.print(f"answers after the reloads: {'unchanged' if loader['answers_unchanged'] else 'CHANGED'}")
+    c = r["cold_start_phases"]
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
+    console.print(f"cold start in a new process: {c['total_s']:.2f} s; phases (s): {phases}")
 
 
 def report(r: dict) -> None:
@@ -300,6 +464,7 @@ def report(r: dict) -> None:
     for h in r["harness"]:
         verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
         console.print(f"harness {h['name']}: {verdict}")
+    report_loader(r)
     s = r["soak"]
     console.print(f"soak: {s['exact']}/{s['cycles']} cycles exact, device drift {s['device_slope_mib']:+.3f} "
                   f"MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.3f} MiB/cycle (slope of each scenario's "

@@ -61,7 +61,8 @@ class EngineState:
         asleep = [tag for tag, state in self.tags.items() if state == "asleep"]
         reload = "reload_weights() or update_weights() (HTTP: /reload_weights)"
         if self.sleep_level is None:
-            return f"the weights were discarded by sleep(level=2) and every tag is awake: call {reload}"
+            return (f"the weights are not valid (discarded by sleep(level=2), or a reload or update failed after "
+                    f"writing part of them) and every tag is awake: call {reload}")
         if self.sleep_level == 0:
             return "the engine is paused (sleep level 0): call wake_up() (HTTP: /wake_up)"
         wake = (f"the engine sleeps (level {self.sleep_level}; asleep: {', '.join(asleep)}): call wake_up() "
@@ -77,6 +78,9 @@ class _Request:
     text: OutputText
     stream: bool                  # hand out an output every step the request gains tokens
     num_tokens_out: int = 0       # output tokens already handed out
+
+WEIGHTS_INVALID = ("the weights are invalid: a reload or update failed after writing part of them; call "
+                   "reload_weights() or a complete update_weights() before generating")
 
 
 class LLMEngine:
@@ -186,6 +190,8 @@ class LLMEngine:
         """Schedule a batch, run it, record the tokens; returns the outputs of this step (finished requests,
         and streamed ones that gained tokens) and any a sleep produced meanwhile. Runs nothing while the
         engine does not serve."""
+        if not self.model_runner.weights_valid and not self.scheduler.paused and not self.scheduler.is_finished():
+            raise RuntimeError(WEIGHTS_INVALID)  # (with sleep mode the scheduler is paused instead)
         outputs, self._pending = self._pending, []
         if self.context_released:
             return outputs  # no CUDA call while the context is checkpointed (the scheduler is paused anyway)
@@ -234,7 +240,8 @@ class LLMEngine:
     def serving(self) -> bool:
         """Requests run: no sleep level and the weights valid."""
         mode = self.sleep_mode
-        return mode is None or (mode.level is None and not mode.weights_discarded)
+        awake = mode is None or (mode.level is None and not mode.weights_discarded)
+        return awake and self.model_runner.weights_valid
 
     def is_sleeping(self) -> bool:
         return self.sleep_mode is not None and self.sleep_mode.level is not None
@@ -243,8 +250,9 @@ class LLMEngine:
         """Serving, sleep level, weights validity and per-tag state, read together."""
         mode = self.sleep_mode
         tags = {} if mode is None else {t: "asleep" if self.memory.is_sleeping(t) else "awake" for t in mode.tags}
+        weights_valid = (mode is None or not mode.weights_discarded) and self.model_runner.weights_valid
         return EngineState(serving=self.serving, sleep_level=None if mode is None else mode.level,
-                           weights_valid=mode is None or not mode.weights_discarded, tags=tags,
+                           weights_valid=weights_valid, tags=tags,
                            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
 
     def memory_usage(self) -> dict:
@@ -385,7 +393,10 @@ class LLMEngine:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
         self._weights_awake("reload_weights")
         self.mark_weights_dirty()
-        self.model_runner.reload_weights(path or self.config.model)
+        try:
+            self.model_runner.reload_weights(path or self.config.model)
+        finally:
+            self._stop_if_weights_invalid()
         self._weights_restored()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -393,8 +404,12 @@ class LLMEngine:
         push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
         self._weights_awake("update_weights")
         self.mark_weights_dirty()
-        strict = self.sleep_mode is not None and self.sleep_mode.weights_discarded
-        count = self.model_runner.update_weights(named_tensors, strict=strict)
+        discarded = self.sleep_mode is not None and self.sleep_mode.weights_discarded
+        strict = discarded or not self.model_runner.weights_valid  # after a mix, only the whole set will do
+        try:
+            count = self.model_runner.update_weights(named_tensors, strict=strict)
+        finally:
+            self._stop_if_weights_invalid()
         self._weights_restored()
         return count
 
@@ -410,6 +425,16 @@ class LLMEngine:
     def _weights_restored(self) -> None:
         if self.sleep_mode is not None:
             self.sleep_mode.weights_discarded = False
+            self._sync_scheduler()
+
+    def _stop_if_weights_invalid(self) -> None:
+        """A load or update that failed after writing part of the weights leaves a mix: never serve it.
+        With sleep mode the weights count as discarded (serving resumes after a complete reload or
+        update); without, `step` raises."""
+        if self.model_runner.weights_valid:
+            return
+        if self.sleep_mode is not None:
+            self.sleep_mode.weights_discarded = True
             self._sync_scheduler()
 
     def release_tags(self, tags: Iterable[str], mode: str = "wait") -> Report | None:

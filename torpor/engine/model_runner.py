@@ -5,7 +5,8 @@ inside its memory tag (`memory.tag(...)`, or no scope without a MemoryManager), 
 buffer lands where sleep mode expects it:
 
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
-    weights      build_model + load_weights (parameters and the RoPE table)
+    weights      build_model (parameters and the RoPE table)
+    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache
@@ -18,7 +19,10 @@ Steps allocate only temporaries, outside every tag (the engine's sleep empties P
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -35,11 +39,33 @@ from torpor.engine.kv_cache import (
     gpu_num_kv_blocks,
     kv_block_bytes,
 )
-from torpor.engine.loader import load_named_tensors, load_weights
+from torpor.engine.loader import CheckpointError, check_update, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.config import DTYPES
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
+from torpor.engine.weight_staging import StagingBuffers
+
+logger = logging.getLogger("torpor.engine")
+
+
+def debug_logging() -> None:
+    """With TORPOR_DEBUG=1, print `torpor.engine`'s debug lines (start-up phases, loads) on stderr."""
+    from torpor.env import Env
+
+    if Env.read().debug and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s torpor.engine %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+
+
+@contextlib.contextmanager
+def timed_phase(name: str) -> Iterator[None]:
+    """Log, at debug level on `torpor.engine`, how long one start-up phase took."""
+    start = time.perf_counter()
+    yield
+    logger.debug("start-up phase %s: %.3f s", name, time.perf_counter() - start)
 
 
 class ModelRunner:
@@ -47,9 +73,11 @@ class ModelRunner:
     number of KV blocks the scheduler may hand out (the scratch block excluded)."""
 
     def __init__(self, config: EngineConfig, memory=None) -> None:
+        debug_logging()
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            with timed_phase("cuda_init"):
+                torch.cuda.set_device(self.device)  # creates the context (PyTorch's lazy init)
         if memory is not None and memory.device != self.device:
             raise ValueError(f"the MemoryManager is on {memory.device}, the engine on {self.device}")
         if tp_size() != config.tensor_parallel_size:
@@ -60,6 +88,9 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.engine_stream = EngineStream(self.device)
+        # Host buffers of the staged loader, reused by every reload (pinned on CUDA; see weight_staging.py).
+        self.staging = StagingBuffers(self.device)
+        self.weights_valid = True  # False after a load or update failed midway (a mix): refuse to serve
         # The stream and its GEMM workspace are given up when the runner goes (see EngineStream.close).
         self._finalizer = weakref.finalize(self, self.engine_stream.close)
         self._finalizer.atexit = False  # no CUDA calls while the interpreter shuts down
@@ -77,11 +108,15 @@ class ModelRunner:
         if on_gpu:
             with self._tag("workspace"):
                 self.engine_stream.make_gemm_workspace()
-        with self._tag("weights"):
+        with self._tag("weights"), timed_phase("model_build"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
-            load_weights(self.model, config.model)
+        # Outside the tag, as every reload: the load writes into the parameters and allocates only
+        # temporaries (the finite check's), which must not stay cached in the weights' pool.
+        with timed_phase("weight_load"):
+            load_weights(self.model, config.model, self.staging)
         # Under tensor parallelism every rank must hold the blocks the scheduler (on rank 0) hands out.
-        self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
+        with timed_phase("kv_cache_sizing"):
+            self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
         self.graphs: CudaGraphRunner | None = None
         # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
         # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.
@@ -94,6 +129,7 @@ class ModelRunner:
         """Free the graphs and the GEMM workspace, then give up the engine's stream (kept for the next
         engine; also done when the runner is collected). The runner cannot run afterwards."""
         self.graphs = None
+        self.staging.close()
         self._finalizer()
 
     def _tag(self, name: str) -> contextlib.AbstractContextManager:
@@ -129,7 +165,7 @@ class ModelRunner:
         config, m = self.config, self.model_config
         num_blocks = config.num_kv_blocks + 1  # + the scratch block, id num_kv_blocks
         with self._tag("runtime"):
-            with self._tag("kv_cache"):
+            with self._tag("kv_cache"), timed_phase("kv_cache_allocation"):
                 self.kv_cache = allocate_kv_cache(self.model, m, num_blocks, config.block_size, self.dtype,
                                                   self.device)
             self.buffers = DecodeBuffers(config.max_num_seqs, config.max_num_blocks_per_seq, m.hidden_size,
@@ -144,22 +180,47 @@ class ModelRunner:
                     m.head_dim,
                     config.max_num_blocks_per_seq, config.block_size, self.device)
             if not config.enforce_eager:
-                with torch.inference_mode():
+                with torch.inference_mode(), timed_phase("cuda_graph_capture"):
                     self.graphs = CudaGraphRunner(self.model, self.buffers, config.cuda_graph_batch_sizes,
                                                   config.max_model_len, self.memory)
 
     # ---- weights -----------------------------------------------------------------------------
     def reload_weights(self, path: str) -> None:
-        """The checkpoint at `path` into the existing parameters (same addresses: graphs stay valid)."""
-        with self.engine_stream.scope():
-            load_weights(self.model, path)
+        """The checkpoint at `path` into the existing parameters (same addresses: graphs stay valid), by
+        the staged loader. Every header is checked first: a bad checkpoint raises CheckpointError and
+        leaves the weights as they were; a failure after writing began sets `weights_valid` False."""
+        with self.engine_stream.scope(), self._writing_weights():
+            load_weights(self.model, path, self.staging)
 
     def update_weights(self, named_tensors, strict: bool) -> int:
-        """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table."""
+        """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table. A list or
+        tuple is validated whole (names, shapes, dtypes, finite values) before anything is written; a
+        stream (any other iterable) is checked tensor by tensor, so a bad one midway leaves a mix:
+        `weights_valid` is then False until a complete update or a reload."""
         with self.engine_stream.scope():
-            count = load_named_tensors(self.model, named_tensors, strict=strict)
-            self.model.reset_buffers()
+            if isinstance(named_tensors, list | tuple):
+                check_update(self.model, named_tensors, strict)
+            with self._writing_weights():
+                count = load_named_tensors(self.model, named_tensors, strict=strict)
+                self.model.reset_buffers()
         return count
+
+    def check_update(self, named_tensors, strict: bool) -> None:
+        """Validate a whole update (a list) against this rank's model without writing anything."""
+        check_update(self.model, named_tensors, strict)
+
+    @contextlib.contextmanager
+    def _writing_weights(self) -> Iterator[None]:
+        """Marks the weights invalid if the block fails after writing began (the loaders raise that as
+        CheckpointError with `weights_written`; every other failure came before any write); valid once
+        the block succeeds."""
+        try:
+            yield
+        except CheckpointError as e:
+            if e.weights_written:
+                self.weights_valid = False
+            raise
+        self.weights_valid = True
 
     # ---- steps -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -95,6 +95,8 @@ class ParallelModelRunner:
         """Every rank receives every tensor (it keeps its shard), streamed one at a time: its name through
         the pipes, its data broadcast over the process group from rank 0's device."""
         conns = self.workers.conns
+        if isinstance(named_tensors, list | tuple):
+            self.local.check_update(named_tensors, strict)  # the whole update, before any rank writes
 
         def local() -> int:
             try:
@@ -103,6 +105,11 @@ class ParallelModelRunner:
                 end_tensors(conns)
 
         return self._everywhere("update_weights", (strict,), local)
+
+    @property
+    def weights_valid(self) -> bool:
+        """Rank 0's weights are whole (see ModelRunner.weights_valid)."""
+        return self.local.weights_valid
 
     def rank_usage(self) -> list[dict]:
         """Every rank's device, device memory in use, tags and CUDA graphs (`worker.rank_info`), rank order."""

@@ -1,0 +1,26 @@
+"""`torpor bench sleep --loader-only` on CPU: the reload rows (plain and staged, page cache warm and cold),
+level-2 wake + reload, and a cold start in a new process split into its phases."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
+    out = tmp_path / "loader.json"
+    result = subprocess.run([sys.executable, "-m", "torpor", "bench", "sleep", "--loader-only", "--device", "cpu",
+                             "--model", tiny_model_path, "--max-num-seqs", "4", "--max-model-len", "256",
+                             "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    loader = report["loader"]
+    assert set(loader["reload"]) == {"old_warm", "new_warm", "old_cold", "new_cold"}
+    assert all(row["seconds"] > 0 and row["gbps"] > 0 for row in loader["reload"].values())
+    assert loader["answers_unchanged"] and loader["level2_wake_reload"]["reload_s"] > 0
+    phases = report["cold_start_phases"]["phases"]
+    assert {"imports", "model_build", "weight_load", "kv_cache_sizing", "kv_cache_allocation", "engine_other",
+            "first_token"} <= phases.keys()
+    assert "staged (torpor)" in result.stdout and "cold start in a new process" in result.stdout

@@ -1,0 +1,208 @@
+"""The staged loader (weight_staging.py) against the plain one, bit for bit: single file and shards,
+tied embeddings, fused q/k/v and gate/up, dtype conversion, tensor-parallel slices; every bad file a
+`CheckpointError` naming it; shard names that leave the folder refused."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import torpor.engine.distributed as distributed
+from torpor.engine.attention.torch_backend import TorchAttentionBackend
+from torpor.engine.checkpoint import make_model
+from torpor.engine.loader import (
+    CheckpointError,
+    iter_checkpoint,
+    load_weights,
+    load_weights_reference,
+    plan_checkpoint,
+)
+from torpor.engine.models import ModelConfig, build_model
+from torpor.engine.weight_staging import StagingBuffers, copy_planned
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("staged")
+    return {
+        "qwen2": make_model("tiny-qwen2", root / "qwen2", progress=False),  # qkv biases, tied embeddings
+        "llama": make_model("tiny-llama", root / "llama", progress=False, max_shard_bytes=150_000),  # 3+ shards
+    }
+
+
+def new_model(path, dtype=torch.float32):
+    return build_model(ModelConfig.from_pretrained(path), TorchAttentionBackend(), dtype=dtype)
+
+
+def garbage_model(path, dtype):
+    model = new_model(path, dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)  # anything the load must overwrite
+    return model
+
+
+def assert_same(a, b) -> None:
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert pa.dtype == pb.dtype and torch.equal(pa.view(torch.uint8), pb.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bit_identical_to_the_plain_loader(checkpoints, name, dtype):
+    path = checkpoints[name]
+    reference = garbage_model(path, dtype)
+    load_weights_reference(reference, path)
+    # Small buffers: tensors split over several pieces, batches reuse buffers, several reads in flight.
+    staging = StagingBuffers("cpu", buffer_bytes=8192, count=3, threads=2, keep=True)
+    staged = garbage_model(path, dtype)
+    load_weights(staged, path, staging)
+    assert_same(staged, reference)
+    assert all(torch.equal(a, b) for a, b in zip(staged.buffers(), reference.buffers(), strict=True))
+    addresses = [p.data_ptr() for p in staged.parameters()]
+    buffers = [b.ptr for b in staging.buffers]
+    load_weights(staged, path, staging)  # the same buffers again, the same parameter addresses
+    assert [b.ptr for b in staging.buffers] == buffers
+    assert [p.data_ptr() for p in staged.parameters()] == addresses
+    assert_same(staged, reference)
+    staging.close()
+
+
+def test_default_staging_reads_each_needed_byte_once(checkpoints):
+    path = checkpoints["llama"]
+    model = new_model(path)
+    entries, copies = plan_checkpoint(model, path)
+    staging = StagingBuffers("cpu")
+    read = copy_planned(entries, copies, staging)
+    staging.close()
+    assert read == sum(e.nbytes for e in entries)  # untied llama: every tensor is needed, none twice
+
+
+def test_tensor_parallel_ranks_read_their_slices(checkpoints, monkeypatch):
+    """Each rank's parameters equal the plain loader's at that rank; row slices read only their bytes."""
+    path = checkpoints["llama"]
+    full = new_model(path)
+    load_weights_reference(full, path)
+    total = sum(e.nbytes for e in plan_checkpoint(full, path)[0])
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, "_rank", rank)
+        monkeypatch.setattr(distributed, "_size", 2)
+        reference, staged = garbage_model(path, torch.float32), garbage_model(path, torch.float32)
+        load_weights_reference(reference, path)
+        entries, copies = plan_checkpoint(staged, path)
+        read = copy_planned(entries, copies, StagingBuffers("cpu", buffer_bytes=4096, count=2))
+        assert_same(staged, reference)
+        assert read < 0.75 * total  # column-sharded tensors: half their bytes
+        qkv = staged.model.layers[1].self_attn.qkv_proj.weight
+        q_rows = full.config.q_size // 2
+        q_full = full.model.layers[1].self_attn.qkv_proj.weight[: full.config.q_size]
+        assert torch.equal(qkv[:q_rows], q_full[rank * q_rows : (rank + 1) * q_rows])
+
+
+# ---- bad files ------------------------------------------------------------------------------------
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_files_raise_checkpoint_error_naming_the_file(checkpoints, tmp_path):
+    src = checkpoints["qwen2"]
+    model = new_model(src)
+    file = "model.safetensors"
+    raw = (src / file).read_bytes()
+    cases = {
+        "empty": (b"", "truncated"),
+        "short": (raw[:5], "truncated"),
+        "truncated": (raw[: len(raw) // 2], "truncated"),
+        "garbage": (b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + b"\0" * 64, "garbage header"),
+        "huge_header": (b"\xff" * 8 + b"{}", "header length"),
+        "bad_offsets": (None, "data_offsets"),
+    }
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["data_offsets"][1] += 2
+    blob = json.dumps(header).encode()
+    cases["bad_offsets"] = (len(blob).to_bytes(8, "little") + blob + raw[8 + header_len :], "data_offsets")
+    for case, (content, problem) in cases.items():
+        path = _copy(src, tmp_path / case)
+        (path / file).write_bytes(content)
+        for load in (load_weights, load_weights_reference):
+            with pytest.raises(CheckpointError, match=rf"^{file}: .*{problem}"):
+                load(model, path)
+        with pytest.raises(CheckpointError, match=rf"^{file}: "):
+            list(iter_checkpoint(path))
+
+
+def _sharded(src, dst, rename=None):
+    """A copy of the sharded checkpoint `src` whose index maps the first shard's tensors to `rename`."""
+    path = _copy(src, dst)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"] = {n: (rename if f == first else f) for n, f in index["weight_map"].items()}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path, first
+
+
+def test_index_naming_bad_or_missing_shards(checkpoints, tmp_path):
+    src = checkpoints["llama"]
+    model = new_model(src)
+    path, _ = _sharded(src, tmp_path / "config", "config.json")
+    with pytest.raises(CheckpointError, match=r"shard name 'config.json' is not a \.safetensors file"):
+        load_weights(model, path)
+    path, _ = _sharded(src, tmp_path / "missing", "model-00009-of-00009.safetensors")
+    with pytest.raises(CheckpointError, match=r"^model-00009-of-00009\.safetensors: shard listed .* missing"):
+        load_weights(model, path)
+    path, _ = _sharded(src, tmp_path / "text", "notes.safetensors")
+    (path / "notes.safetensors").write_text("hello, not a checkpoint\n" * 10)
+    with pytest.raises(CheckpointError, match=r"^notes\.safetensors: not a safetensors file"):
+        load_weights(model, path)
+    (path / "model.safetensors.index.json").write_text("{broken")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a readable JSON index"):
+        load_weights(model, path)
+
+
+def test_shard_names_that_leave_the_folder_are_refused(checkpoints, tmp_path):
+    src = checkpoints["llama"]
+    model = new_model(src)
+    outside = tmp_path / "outside.safetensors"
+    save_file({"x": torch.zeros(2)}, str(outside))
+    for case, name in [("absolute", str(outside)), ("dotdot", "../outside.safetensors"),
+                       ("nested", "sub/../../outside.safetensors")]:
+        path, _ = _sharded(src, tmp_path / case, name)
+        with pytest.raises(CheckpointError, match="leaves the checkpoint folder"):
+            load_weights(model, path)
+    path, first = _sharded(src, tmp_path / "symlink", "link.safetensors")
+    os.symlink(outside, path / "link.safetensors")
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint folder"):
+        load_weights(model, path)
+    (path / "link.safetensors").unlink()
+    os.symlink(path / first, path / "link.safetensors")  # a symlink inside the folder is fine
+    load_weights(model, path)
+
+
+def test_duplicate_tensor_across_shards(checkpoints, tmp_path):
+    src = checkpoints["llama"]
+    path = _copy(src, tmp_path / "dup")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    save_file({"model.norm.weight": torch.ones(64)}, str(path / "extra.safetensors"))
+    index["weight_map"]["model.norm.weight.copy"] = "extra.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"\.safetensors: tensor 'model\.norm\.weight' is also in"):
+        load_weights(new_model(src), path)
+
+
+def test_file_shrinking_after_the_plan_is_a_written_failure(checkpoints, tmp_path):
+    """Headers were fine, the data then vanished (the file was replaced while loading): the error says the
+    weights were written in part, so the engine stops serving them."""
+    path = _copy(checkpoints["qwen2"], tmp_path / "shrinks")
+    model = new_model(path)
+    entries, copies = plan_checkpoint(model, path)
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the file ended early") as error:
+        copy_planned(entries, copies, StagingBuffers("cpu", buffer_bytes=4096, count=2))
+    assert error.value.weights_written

@@ -1,0 +1,239 @@
+"""The fast path of `loader.load_weights`: checkpoint bytes -> reused host staging buffers -> parameters.
+
+The plan (loader.plan_checkpoint) says which elements of which checkpoint tensor go to which parameter
+view. Here every copy becomes byte ranges ("pieces") of its file; a contiguous copy is split into pieces
+of at most one buffer, so a 1.2 GB embedding streams through 128 MiB buffers. Pieces are packed in file
+order into batches (one `preadv` of one contiguous file range each). Up to `count` batches are read at
+once by a thread pool (reads release the GIL) into the `count` staging buffers, while the engine's
+stream copies finished batches into the parameters asynchronously (`copy_(non_blocking=True)` from
+pinned memory is a `cudaMemcpyAsync`); a buffer is refilled once the event recorded after its copies
+completed. Each copy is still `dst.copy_(src)` with `src` the same elements of the same bytes as
+`safe_open` would give, so the result is bit-identical to the plain loader (dtype conversion included).
+
+On CPU the same code runs with plain (pageable) buffers and synchronous copies.
+Tensor-parallel ranks read only the byte ranges of their slices when those are contiguous (row slices);
+column slices of row-parallel layers read the enclosing range.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torpor.engine.loader import CheckpointError, PlannedCopy, TensorEntry
+from torpor.memory.cuda_driver import CudaDriverError
+from torpor.memory.host_buffer import HostBuffer
+
+logger = logging.getLogger("torpor.engine")
+
+BUFFER_BYTES = 128 << 20  # CUDA: 8 x 128 MiB pinned, kept (pinning costs ~50 ms per GiB)
+BUFFER_COUNT = 8
+CPU_BUFFER_BYTES = 32 << 20  # CPU: 4 x 32 MiB plain memory per load (fresh pages cost a fault each)
+CPU_BUFFER_COUNT = 4
+MAX_GAP_BYTES = 1 << 20  # bytes not needed between two pieces that a batch reads through rather than split
+_ALIGN = 64
+
+
+@dataclass
+class Piece:
+    """Bytes [start, start + nbytes) of `file` go to `dst` (for a split contiguous copy: a flat range of
+    elements of it). `src` views them: (dtype, shape, stride, element offset within the piece)."""
+
+    file: Path
+    start: int
+    nbytes: int
+    dst: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # elements from the piece's first byte to the view's first element
+
+
+@dataclass
+class Batch:
+    file: Path
+    start: int
+    end: int
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class StagingBuffers:
+    """Reused host buffers for loading: registered pinned memory for a CUDA device (the memory layer's
+    `HostBuffer`), plain anonymous memory on CPU. Grown on demand, freed by `close`."""
+
+    def __init__(self, device: torch.device | str, buffer_bytes: int | None = None, count: int | None = None,
+                 threads: int | None = None, keep: bool | None = None) -> None:
+        """`keep`: hold the buffers between loads (default: on CUDA, where pinning them costs time; on
+        CPU they are plain memory, given back after each load so they do not add to the resident set)."""
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        self.keep = on_gpu if keep is None else keep
+        self.buffer_bytes = buffer_bytes or (BUFFER_BYTES if on_gpu else CPU_BUFFER_BYTES)
+        self.count = count or (BUFFER_COUNT if on_gpu else CPU_BUFFER_COUNT)
+        self.threads = threads or max(1, min(self.count, os.cpu_count() or 1))
+        self.kind = "pinned" if self.device.type == "cuda" else "pageable"
+        self.buffers: list[HostBuffer] = []
+
+    def take(self, count: int, nbytes: int) -> list[HostBuffer]:
+        """`count` buffers of at least `nbytes` each (kept for the next load)."""
+        if self.buffers and self.buffers[0].size < nbytes:
+            self.close()
+        while len(self.buffers) < count:
+            self.buffers.append(self._allocate(max(nbytes, _ALIGN)))
+        return self.buffers[:count]
+
+    def _allocate(self, nbytes: int) -> HostBuffer:
+        """Pinned where asked; plain memory when the host refuses to pin it (the copies are then staged
+        by the driver and synchronous: slower, equally correct, since a copy from pageable memory returns
+        only once the driver has taken the bytes)."""
+        if self.kind == "pinned":
+            try:
+                return HostBuffer.allocate(nbytes, "pinned")
+            except (MemoryError, ImportError, CudaDriverError) as e:
+                logger.warning("loader: no pinned staging memory (%s); using pageable buffers", e)
+        return HostBuffer.allocate(nbytes, "pageable")
+
+    def close(self) -> None:
+        for buffer in self.buffers:
+            buffer.free()
+        self.buffers = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.buffers)
+
+
+def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], staging: StagingBuffers) -> int:
+    """Write every planned copy from the checkpoint files; returns the bytes read."""
+    by_name = {e.name: e for e in entries}
+    pieces = [p for c in copies for p in _pieces(by_name[c.name], c, staging.buffer_bytes)]
+    batches = _batches(pieces, staging.buffer_bytes)
+    if not batches:
+        return 0
+    count = min(staging.count, len(batches))
+    buffers = staging.take(count, max(staging.buffer_bytes if len(batches) > 1 else 0,
+                                      max(b.nbytes for b in batches) + _ALIGN))
+    views = [_as_bytes(b) for b in buffers]
+    on_gpu = staging.device.type == "cuda"
+    events: list[torch.cuda.Event | None] = [None] * count
+    fds = {f: os.open(f, os.O_RDONLY) for f in {b.file for b in batches}}
+    labels = {e.file: e.label for e in entries}
+
+    def read(i: int) -> None:
+        slot = i % count
+        if events[slot] is not None:
+            events[slot].synchronize()  # the copies out of this buffer are done
+        batch = batches[i]
+        _read_exactly(fds[batch.file], views[slot], batch.start % _ALIGN, batch, labels[batch.file])
+
+    pool = ThreadPoolExecutor(min(staging.threads, count), thread_name_prefix="torpor-load")
+    futures = {}
+    try:
+        futures.update({i: pool.submit(read, i) for i in range(count)})
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                futures.pop(i).result()
+                slot = i % count
+                for piece in batch.pieces:
+                    _copy_piece(piece, views[slot], batch.start - batch.start % _ALIGN, on_gpu)
+                if on_gpu:
+                    events[slot] = torch.cuda.Event()
+                    events[slot].record()
+                if i + count < len(batches):
+                    futures[i + count] = pool.submit(read, i + count)
+    finally:
+        for future in futures.values():
+            future.cancel()
+        pool.shutdown(wait=True)
+        if on_gpu:
+            # Copies still reading the buffers finish before anything refills or frees them (also on error).
+            torch.cuda.current_stream().synchronize()
+        for fd in fds.values():
+            os.close(fd)
+        if not staging.keep:
+            staging.close()
+    return sum(b.nbytes for b in batches)
+
+
+def _pieces(entry: TensorEntry, copy: PlannedCopy, max_bytes: int) -> list[Piece]:
+    """The byte ranges of `entry` that `copy` needs; a contiguous copy split into pieces of <= max_bytes."""
+    src, dst, size = copy.src, copy.dst, entry.dtype.itemsize
+    if src.numel() == 0:
+        return []
+    if src.is_contiguous() and dst.is_contiguous():
+        n, first = src.numel(), src.storage_offset()
+        step = max(1, max_bytes // size)
+        flat = dst.view(-1)
+        return [Piece(entry.file, entry.start + (first + a) * size, min(step, n - a) * size,
+                      flat[a : a + step], entry.dtype, (min(step, n - a),), (1,), 0)
+                for a in range(0, n, step)]
+    # A strided view (a column slice): read the enclosing range of groups of rows, each group viewed
+    # with the same strides (so no group needs more than one buffer unless a single row does).
+    rows = max(1, max_bytes // max(1, src.stride(0) * size)) if src.dim() else 1
+    pieces = []
+    for first in range(0, src.shape[0] if src.dim() else 1, rows):
+        part = src.narrow(0, first, min(rows, src.shape[0] - first)) if src.dim() else src
+        span = 1 + sum((d - 1) * s for d, s in zip(part.shape, part.stride(), strict=True))
+        pieces.append(Piece(entry.file, entry.start + part.storage_offset() * size, span * size,
+                            dst.narrow(0, first, part.shape[0]) if src.dim() else dst, entry.dtype,
+                            tuple(part.shape), tuple(part.stride()), 0))
+    return pieces
+
+
+def _batches(pieces: list[Piece], max_bytes: int) -> list[Batch]:
+    """Pieces in file order, packed into contiguous file ranges of at most max_bytes (a larger piece,
+    a strided one, gets a batch of its own)."""
+    batches: list[Batch] = []
+    for piece in sorted(pieces, key=lambda p: (str(p.file), p.start)):
+        last = batches[-1] if batches else None
+        end = piece.start + piece.nbytes
+        if (last is not None and last.file == piece.file and 0 <= piece.start - last.end <= MAX_GAP_BYTES
+                and end - last.start + _ALIGN <= max_bytes):
+            last.end = max(last.end, end)
+        else:
+            last = Batch(piece.file, piece.start, end)
+            batches.append(last)
+        last.pieces.append(piece)
+    return batches
+
+
+def _as_bytes(buffer: HostBuffer) -> torch.Tensor:
+    """A uint8 CPU tensor over the buffer's memory (no copy)."""
+    return torch.frombuffer((ctypes.c_uint8 * buffer.size).from_address(buffer.ptr), dtype=torch.uint8)
+
+
+def _read_exactly(fd: int, view: torch.Tensor, at: int, batch: Batch, label: str) -> None:
+    """File bytes [batch.start, batch.end) into view[at:]; the GIL is released while reading."""
+    done, total = 0, batch.nbytes
+    base = view.data_ptr() + at
+    while done < total:
+        chunk = memoryview((ctypes.c_char * (total - done)).from_address(base + done)).cast("B")
+        try:
+            n = os.preadv(fd, [chunk], batch.start + done)
+        except OSError as e:
+            raise CheckpointError(f"{label}: read failed ({e.strerror})", weights_written=True) from None
+        if n == 0:
+            raise CheckpointError(f"{label}: the file ended early (it changed while loading)", weights_written=True)
+        done += n
+
+
+def _copy_piece(piece: Piece, view: torch.Tensor, view_base: int, on_gpu: bool) -> None:
+    """dst.copy_(the piece's elements, as the checkpoint tensor's dtype, straight from the buffer)."""
+    at = piece.start - view_base
+    raw = view[at : at + piece.nbytes]
+    if raw.data_ptr() % piece.dtype.itemsize:
+        raw = raw.clone()  # an odd offset in the file: an aligned copy (never in files torpor writes)
+    src = raw.view(piece.dtype).as_strided(piece.shape, piece.stride, raw.view(piece.dtype).storage_offset()
+                                           + piece.offset)
+    piece.dst.copy_(src, non_blocking=on_gpu)
