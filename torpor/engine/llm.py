@@ -161,6 +161,11 @@ class LLM:
         with self._lock:
             self.engine.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every KV block cached for prefix reuse (vLLM's name); True when done."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
 
 def _prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):

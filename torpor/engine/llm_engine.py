@@ -39,7 +39,8 @@ class LLMEngine:
         model_config = self.model_runner.model_config
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids)
-        self._texts: dict[str, _Text] = {}
+        self._samples: dict[str, list[Sequence]] = {}    # unfinished requests: their samples, index order
+        self._texts: dict[tuple[str, int], _Text] = {}  # by seq_id
         self._request_ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------
@@ -70,8 +71,11 @@ class LLMEngine:
         return Sequence(request_id, token_ids, params, text)
 
     def add_sequence(self, seq: Sequence) -> str:
-        self.scheduler.add(seq)
-        self._texts[seq.request_id] = _Text(self.tokenizer, seq.sampling_params.stop)
+        """Queue a sequence made by `make_sequence` (with n > 1 its other samples are made here)."""
+        samples = self.scheduler.add(seq)
+        self._samples[seq.request_id] = samples
+        for sample in samples:
+            self._texts[sample.seq_id] = _Text(self.tokenizer, sample.sampling_params.stop)
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -81,11 +85,28 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a waiting or running request; returns its output (finish_reason 'abort')."""
-        seq = self.scheduler.abort(request_id)
-        text = self._texts.pop(request_id, None)
-        if seq is None or text is None:
+        samples = self._samples.get(request_id)
+        if self.scheduler.abort(request_id) is None or samples is None:
             return None
-        return RequestOutput.from_sequence(seq, text.final(seq.output_token_ids))
+        return self._request_output(samples)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (blocks in use stay with their sequences; they register nothing
+        more). Done by the engine itself whenever the weights change or the KV cache is discarded."""
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens looked up in the prefix cache and found there (counters since start-up)."""
+        bm = self.scheduler.block_manager
+        return {"queries": bm.num_queried_tokens, "hits": bm.num_hit_tokens}
+
+    def _request_output(self, samples: list[Sequence]) -> RequestOutput:
+        """The output of a request whose samples all finished (its bookkeeping is dropped)."""
+        self._samples.pop(samples[0].request_id, None)
+        texts = [self._texts.pop(seq.seq_id) for seq in samples]
+        return RequestOutput.from_sequences(samples, [t.final(s.output_token_ids) for s, t in zip(samples, texts,
+                                                                                                    strict=True)])
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -161,6 +182,7 @@ class LLMEngine:
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
         self._weights_awake("reload_weights")
+        self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
         self.model_runner.reload_weights(path or self.config.model)
         self._weights_restored()
 
@@ -169,6 +191,7 @@ class LLMEngine:
         push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
         self._weights_awake("update_weights")
         strict = self.sleep_mode is not None and self.sleep_mode.weights_discarded
+        self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
         count = self.model_runner.update_weights(named_tensors, strict=strict)
         self._weights_restored()
         return count
@@ -210,7 +233,7 @@ class LLMEngine:
     def _postprocess_text(self, seqs: list[Sequence]) -> list[RequestOutput]:
         finished = []
         for seq in seqs:
-            text = self._texts.get(seq.request_id)
+            text = self._texts.get(seq.seq_id)
             if text is None:  # aborted while its step ran
                 continue
             stop = text.update(seq.output_token_ids)
@@ -219,9 +242,9 @@ class LLMEngine:
                     seq.finish_reason, seq.stop_reason = "stop", stop
                 else:
                     self.scheduler.finish(seq, "stop", stop)
-            if seq.is_finished:
-                del self._texts[seq.request_id]
-                finished.append(RequestOutput.from_sequence(seq, text.final(seq.output_token_ids)))
+            samples = self._samples.get(seq.request_id, ())
+            if seq.is_finished and all(sample.is_finished for sample in samples):  # its request is done
+                finished.append(self._request_output(samples))
         return finished
 
 

@@ -27,6 +27,8 @@ class SamplingParams:
     logprobs: for every output token return the chosen token's logprob plus the top `logprobs`
         (0 = the chosen token only); None = no logprobs. At most 20.
     prompt_logprobs: the same for every prompt token after the first.
+    n: completions to sample from the prompt (>= 1; the engine caps it at `EngineConfig.max_n`). The
+        prompt is computed once and its KV blocks shared; sample i draws from its own seed stream.
     """
 
     temperature: float = 1.0
@@ -39,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Normalise the list-like fields to tuples so the params stay hashable and immutable.
@@ -71,6 +74,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
