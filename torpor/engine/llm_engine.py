@@ -67,6 +67,7 @@ class LLMEngine:
         if len(token_ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than max_model_len "
                              f"({self.config.max_model_len}) to leave room for an output token")
+        self.scheduler.check_n(params.n, len(token_ids))
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         return Sequence(request_id, token_ids, params, text)
 

@@ -66,15 +66,8 @@ class Scheduler:
             raise ValueError(
                 f"request {seq.request_id!r}: the prompt has {len(seq)} tokens; it must be shorter "
                 f"than max_model_len ({self.config.max_model_len}) to leave room for an output token")
+        self.check_n(seq.sampling_params.n, len(seq))
         n = seq.sampling_params.n
-        limit = min(self.config.max_n, self.config.max_num_seqs)
-        if n > limit:
-            raise ValueError(f"request {seq.request_id!r}: n must be <= {limit} (the engine's max_n "
-                             f"{self.config.max_n} and max_num_seqs {self.config.max_num_seqs}), got {n}")
-        bm = self.block_manager
-        if n > 1 and bm.num_blocks_for(len(seq) + 1) + (n - 1) * 2 > bm.num_blocks:
-            raise ValueError(f"request {seq.request_id!r}: n={n} samples of a {len(seq)}-token prompt do not "
-                             f"fit in the KV cache ({bm.num_blocks} blocks of {bm.block_size} tokens)")
         seq.arrival = next(self._arrivals)
         if seq.sampling_seed is None:
             seq.sampling_seed = self._seed_rng.getrandbits(64)
@@ -90,6 +83,17 @@ class Scheduler:
             sample.arrival = seq.arrival
         self._requests[seq.request_id] = samples
         return samples
+
+    def check_n(self, n: int, num_prompt_tokens: int) -> None:
+        """ValueError naming `n` unless n samples of such a prompt can be admitted together."""
+        limit = min(self.config.max_n, self.config.max_num_seqs)
+        if n > limit:
+            raise ValueError(f"n must be <= {limit} (the engine's max_n {self.config.max_n} and max_num_seqs "
+                             f"{self.config.max_num_seqs}), got {n}")
+        bm = self.block_manager
+        if n > 1 and bm.num_blocks_for(num_prompt_tokens + 1) + (n - 1) * 2 > bm.num_blocks:
+            raise ValueError(f"n={n} samples of a {num_prompt_tokens}-token prompt do not fit in the KV cache "
+                             f"({bm.num_blocks} blocks of {bm.block_size} tokens)")
 
     def samples(self, request_id: str) -> list[Sequence]:
         """The sequences of an unfinished request, in index order ([] if there is none)."""
