@@ -253,7 +253,8 @@ class AsyncEngine:
         scheduler = self.engine.scheduler
         memory = self.engine.memory_usage() if self.engine.sleep_mode is not None else None
         return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-                "serving": not scheduler.paused, "memory": memory}
+                "serving": not scheduler.paused, "memory": memory,
+                "prefix_cache": self.engine.prefix_cache_stats()}
 
     def _publish_state(self) -> None:
         self.sleeping = self.engine.is_sleeping()

@@ -104,6 +104,19 @@ async def resume_memory_occupation(request: Request, body: TagsRequest | None = 
     return {"success": True, **await _wake(request.app.state.server, body.tags if body else None)}
 
 
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    """vLLM's form: forget every KV block cached for prefix reuse."""
+    server: ServerState = request.app.state.server
+    return {"success": await _run(server.engine.call(server.engine.engine.reset_prefix_cache))}
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> dict:
+    """SGLang's form of /reset_prefix_cache."""
+    return await reset_prefix_cache(request)
+
+
 async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dict:
     if mode not in ("wait", "abort"):
         raise APIError(400, f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}",
