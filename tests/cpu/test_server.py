@@ -353,12 +353,12 @@ def test_64_concurrent_mixed_requests_right_after_a_wake(server):
 
 # ---- errors, limits, auth -------------------------------------------------------------------------
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": CAP + 1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": list(range(1, 129))}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
@@ -446,7 +446,7 @@ def test_metrics(server):
     for _ in range(3):
         complete(server)  # 24 output tokens each
     server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    server.http.post("/v1/completions", json={"prompt": "hi", "n": 3})
+    server.http.post("/v1/completions", json={"prompt": "hi", "n": 0})
     server.admin.post("/sleep", params={"level": 1}).raise_for_status()
     asleep = metrics(server)
     server.admin.post("/wake_up").raise_for_status()

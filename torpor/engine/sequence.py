@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+from torpor.engine.outputs import FinishReason, TokenLogprobs
+from torpor.engine.sampling_params import SamplingParams
+
 _MASK64 = (1 << 64) - 1
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: the samples' seeds are far apart
 
@@ -12,9 +15,6 @@ def sample_seed(seed: int, index: int) -> int:
     """The sampling seed of sample `index` of a request seeded `seed` (sample 0 uses `seed` itself, so
     n=1 and the first of n samples draw the same tokens)."""
     return seed if index == 0 else (seed + index * _SEED_STRIDE) & _MASK64
-
-from torpor.engine.outputs import FinishReason, TokenLogprobs
-from torpor.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -2,8 +2,9 @@
 
 A fixed batch of requests (mixed lengths, greedy and seeded sampling, output and prompt logprobs,
 every fourth one sharing a prefix with the others of its kind and sampling n = 2 completions, so the
-prefix cache and forked samples are exercised) runs once awake, from an empty prefix cache; after every kind of sleep and wake the same batch runs again and must match the
-first round exactly: token ids, text, every output logprob and every prompt logprob.
+prefix cache and forked samples are exercised) runs once awake, from an empty prefix cache; after
+every kind of sleep and wake the same batch runs again and must match the first round exactly:
+token ids, text, every output logprob and every prompt logprob.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.engine.outputs import RequestOutput, TokenLogprobs
@@ -39,6 +39,7 @@ class TokenDelta:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
+    index: int = 0  # the sample (completion) of the request these tokens belong to
 
 
 @dataclass
@@ -46,7 +47,8 @@ class _Tracked:
     seq: Sequence
     queue: asyncio.Queue
     stream: bool
-    num_sent: int = 0  # output tokens already handed out as deltas
+    samples: list[Sequence] = field(default_factory=list)  # the request's n samples, index order
+    num_sent_by_index: dict[int, int] = field(default_factory=dict)  # output tokens handed out as deltas
 
 
 _Command = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
@@ -202,11 +204,12 @@ class AsyncEngine:
             if tracked is not None:
                 deliveries.append((tracked.queue, output))
         for tracked in self._tracked.values():
-            seq = tracked.seq
-            if tracked.stream and seq.num_output_tokens > tracked.num_sent:
-                start, tracked.num_sent = tracked.num_sent, seq.num_output_tokens
-                logprobs = seq.output_logprobs[start:] if seq.sampling_params.logprobs is not None else None
-                deliveries.append((tracked.queue, TokenDelta(seq.output_token_ids[start:], logprobs)))
+            for seq in tracked.samples if tracked.stream else ():
+                start = tracked.num_sent_by_index.get(seq.index, 0)
+                if seq.num_output_tokens > start:
+                    tracked.num_sent_by_index[seq.index] = seq.num_output_tokens
+                    logprobs = seq.output_logprobs[start:] if seq.sampling_params.logprobs is not None else None
+                    deliveries.append((tracked.queue, TokenDelta(seq.output_token_ids[start:], logprobs, seq.index)))
         if deliveries:
             self._post(_deliver, deliveries)
 
@@ -214,7 +217,8 @@ class AsyncEngine:
              request_queue: asyncio.Queue) -> None:
         seq = self.engine.make_sequence(token_ids, params, request_id)
         self.engine.add_sequence(seq)
-        self._tracked[request_id] = _Tracked(seq, request_queue, stream)
+        self._tracked[request_id] = _Tracked(seq, request_queue, stream,
+                                             samples=list(self.engine.scheduler.samples(request_id)))
 
     def _abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None:

@@ -47,14 +47,17 @@ async def list_models(request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     server: ServerState = request.app.state.server
     _check_request(server, body)
-    token_ids = body.prompt_token_ids(server.engine.tokenizer, server.engine.vocab_size)
-    check_prompt_length(len(token_ids), server.engine.config.max_model_len, "prompt")
+    prompts = body.prompts_token_ids(server.engine.tokenizer, server.engine.vocab_size)
+    for token_ids in prompts:
+        check_prompt_length(len(token_ids), server.engine.config.max_model_len, "prompt")
     check_logprobs(body.logprobs, "logprobs")
-    max_tokens = _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(token_ids))
+    longest = max(map(len, prompts))
+    max_tokens = _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, longest)
     params = body.sampling_params(max_tokens, body.logprobs)
+    _check_n(server, params.n, longest)
     fmt = CompletionFormat(server.engine.tokenizer, server.config.model_name, f"cmpl-{uuid.uuid4().hex}",
                            body.logprobs)
-    return await _generate(request, server, "completions", fmt, token_ids, params, body)
+    return await _generate(request, server, "completions", fmt, prompts, params, body)
 
 
 @router.post("/v1/chat/completions")
@@ -69,9 +72,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                         is not None else (body.max_tokens, "max_tokens"))
     max_tokens = _max_tokens(server, requested, None, len(token_ids), param)
     params = body.sampling_params(max_tokens, num_logprobs)
+    _check_n(server, params.n, len(token_ids))
     fmt = ChatFormat(server.engine.tokenizer, server.config.model_name, f"chatcmpl-{uuid.uuid4().hex}",
                      num_logprobs)
-    return await _generate(request, server, "chat", fmt, token_ids, params, body)
+    return await _generate(request, server, "chat", fmt, [token_ids], params, body)
+
+
+def _check_n(server: ServerState, n: int, num_prompt_tokens: int) -> None:
+    """400 naming `n` when the engine cannot run n samples of such a prompt (above its max_n, ...)."""
+    try:
+        server.engine.engine.scheduler.check_n(n, num_prompt_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="n") from None
 
 
 def _check_request(server: ServerState, body: GenerationRequest) -> None:
@@ -88,30 +100,38 @@ def _max_tokens(server: ServerState, requested: int | None, default: int | None,
     return resolve_max_tokens(requested, default, num_prompt_tokens, max_model_len, cap, param)
 
 
-async def _generate(request: Request, server: ServerState, endpoint: str, fmt: ResponseFormat, token_ids: list[int],
-                    params: SamplingParams, body: GenerationRequest):
+async def _generate(request: Request, server: ServerState, endpoint: str, fmt: ResponseFormat,
+                    prompts: list[list[int]], params: SamplingParams, body: GenerationRequest):
+    """One engine request per prompt (a batch of prompts in /v1/completions), each with `params.n` samples."""
     start = time.perf_counter()
     await _wait_if_asleep(request, server)
+    streams: list[RequestStream] = []
     try:
-        stream = await server.engine.add_request(fmt.request_id, token_ids, params, stream=bool(body.stream))
+        for i, token_ids in enumerate(prompts):
+            request_id = fmt.request_id if len(prompts) == 1 else f"{fmt.request_id}-{i}"
+            streams.append(await server.engine.add_request(request_id, token_ids, params, stream=bool(body.stream)))
     except Exception as exc:
+        for stream in streams:
+            stream.abort()
         raise engine_error(exc) from None
 
     def done(output: RequestOutput) -> None:
-        server.metrics.observe_request(endpoint, time.perf_counter() - start, len(token_ids),
-                                       len(output.outputs[0].token_ids))
+        server.metrics.observe_request(endpoint, time.perf_counter() - start, len(output.prompt_token_ids),
+                                       sum(len(c.token_ids) for c in output.outputs))
 
     if body.stream:
-        events = _stream_events(stream, fmt, params, len(token_ids), body.include_usage, done)
+        events = _stream_events(streams, fmt, params, prompts, body.include_usage, done)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        output = await _unless_disconnected(request, stream.result())
+        outputs = await _unless_disconnected(request, asyncio.gather(*(stream.result() for stream in streams)))
     except Exception as exc:
         raise engine_error(exc) from None
     finally:
-        stream.abort()
-    done(output)
-    return fmt.response(output)
+        for stream in streams:
+            stream.abort()
+    for output in outputs:
+        done(output)
+    return fmt.response(list(outputs))
 
 
 async def _wait_if_asleep(request: Request, server: ServerState) -> None:
@@ -156,33 +176,59 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream_events(stream: RequestStream, fmt: ResponseFormat, params: SamplingParams, num_prompt_tokens: int,
-                         include_usage: bool, done) -> AsyncIterator[str]:
-    """Server-sent events: an opening chunk (chat), one chunk per step's tokens, the final chunk with
-    the finish reason, the usage (if asked for), then `[DONE]`. An engine error ends the stream with
-    an error event."""
-    text = StreamText(fmt.tokenizer, params.stop)
-    num_received = 0
+async def _stream_events(streams: list[RequestStream], fmt: ResponseFormat, params: SamplingParams,
+                         prompts: list[list[int]], include_usage: bool, done) -> AsyncIterator[str]:
+    """Server-sent events: an opening chunk per choice (chat), one chunk per step's tokens of each choice
+    (choice index = prompt index * n + sample index), each choice's final chunk with its finish reason, the
+    usage (if asked for), then `[DONE]`. An engine error ends the stream with an error event."""
+    n = params.n
+    merged: asyncio.Queue = asyncio.Queue()  # (prompt index, item) from every prompt's stream
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for item in stream:
+                await merged.put((i, item))
+        except Exception as exc:
+            await merged.put((i, exc))
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    texts: dict[int, StreamText] = {}      # choice index -> the text it has streamed
+    num_received: dict[int, int] = {}      # choice index -> tokens it has streamed
+    num_output_tokens, num_open = 0, len(streams)
     try:
-        opening = fmt.opening_chunk()
-        if opening is not None:
-            yield _sse(opening)
-        async for item in stream:
+        for index in range(len(streams) * n):
+            opening = fmt.opening_chunk(index)
+            if opening is not None:
+                yield _sse(opening)
+        while num_open:
+            i, item = await merged.get()
+            if isinstance(item, BaseException):
+                raise item
             if isinstance(item, RequestOutput):
-                completion = item.outputs[0]
-                token_ids = completion.token_ids[num_received:]
-                logprobs = None if completion.logprobs is None else completion.logprobs[num_received:]
-                yield _sse(fmt.chunk(text.finish(completion.text), token_ids, logprobs, completion.finish_reason))
-                if include_usage:
-                    yield _sse(fmt.usage_chunk(num_prompt_tokens, len(completion.token_ids)))
+                num_open -= 1
+                for completion in item.outputs:
+                    index = i * n + completion.index
+                    start = num_received.get(index, 0)
+                    logprobs = None if completion.logprobs is None else completion.logprobs[start:]
+                    text = texts.setdefault(index, StreamText(fmt.tokenizer, params.stop))
+                    yield _sse(fmt.chunk(text.finish(completion.text), completion.token_ids[start:], logprobs,
+                                         completion.finish_reason, index))
+                    num_output_tokens += len(completion.token_ids)
                 done(item)
             else:
-                num_received += len(item.token_ids)
-                yield _sse(fmt.chunk(text.add(item.token_ids), item.token_ids, item.logprobs, None))
+                index = i * n + item.index
+                num_received[index] = num_received.get(index, 0) + len(item.token_ids)
+                text = texts.setdefault(index, StreamText(fmt.tokenizer, params.stop))
+                yield _sse(fmt.chunk(text.add(item.token_ids), item.token_ids, item.logprobs, None, index))
+        if include_usage:
+            yield _sse(fmt.usage_chunk(sum(map(len, prompts)), num_output_tokens))
     except Exception as exc:
         yield _sse(engine_error(exc).body())
     finally:
-        stream.abort()
+        for task in pumps:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
     yield "data: [DONE]\n\n"
 
 

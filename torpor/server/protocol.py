@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and their translation into prompt token ids and `SamplingParams`.
 
 Unknown fields are ignored (clients send many); fields torpor cannot honour with a non-default value
-(n > 1, penalties, logit_bias, echo, suffix, best_of, tools) are a 400 naming the field. `top_k`,
+(penalties, logit_bias, echo, suffix, best_of, tools) are a 400 naming the field. `top_k`,
 `ignore_eos` and `stop_token_ids` are accepted as extra fields, as vLLM does.
 """
 
@@ -45,8 +45,7 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def check_supported(self) -> None:
-        unsupported: dict[str, Any] = {"n": self.n not in (None, 1),
-                                       "presence_penalty": self.presence_penalty not in (None, 0),
+        unsupported: dict[str, Any] = {"presence_penalty": self.presence_penalty not in (None, 0),
                                        "frequency_penalty": self.frequency_penalty not in (None, 0),
                                        "logit_bias": bool(self.logit_bias)}
         unsupported.update(self._unsupported())
@@ -72,7 +71,8 @@ class GenerationRequest(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if self.top_k is None else self.top_k,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=bool(self.ignore_eos), seed=self.seed, logprobs=logprobs)
+                ignore_eos=bool(self.ignore_eos), seed=self.seed, logprobs=logprobs,
+                n=1 if self.n is None else self.n)
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field in type(self).model_fields else None) from None
@@ -88,13 +88,19 @@ class CompletionRequest(GenerationRequest):
     def _unsupported(self) -> dict[str, bool]:
         return {"echo": bool(self.echo), "suffix": bool(self.suffix), "best_of": self.best_of not in (None, 1)}
 
-    def prompt_token_ids(self, tokenizer, vocab_size: int) -> list[int]:
+    def prompts_token_ids(self, tokenizer, vocab_size: int) -> list[list[int]]:
+        """The token ids of each prompt of the request (a list of strings or of token-id lists is a batch)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, f"a batch of {len(prompt)} prompts is not supported; send one request "
-                                    "per prompt", param="prompt", code="unsupported_parameter")
-            prompt = prompt[0]
+            return [self.prompt_token_ids(tokenizer, vocab_size, p) for p in prompt]
+        return [self.prompt_token_ids(tokenizer, vocab_size)]
+
+    def prompt_token_ids(self, tokenizer, vocab_size: int, prompt: str | list[int] | None = None) -> list[int]:
+        """The token ids of `prompt` (default: the request's single prompt)."""
+        prompt = self.prompt if prompt is None else prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            raise APIError(400, "prompt must be a string, a list of token ids, or a list of either",
+                           param="prompt")
         token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
