@@ -193,6 +193,9 @@ def test_chat_completions(server, tiny_model_path):
 
 # ---- sleep and wake -------------------------------------------------------------------------------
 def test_request_sent_while_asleep_waits_and_is_answered_identically(server):
+    # The sleep empties the prefix cache; "before" starts from an empty one too (a cache hit changes the
+    # GEMM shapes of the prefill, hence the last bits of the logprobs: docs/engine.md, prefix caching).
+    server.admin.post("/reset_prefix_cache").raise_for_status()
     before = choice_of(complete(server, temperature=0.8, seed=5))  # sampled, seeded, with logprobs
     slept = server.admin.post("/sleep", params={"level": 1}).json()
     assert slept["is_sleeping"] and not slept["serving"] and slept["report"]["bytes_released"] > 0
@@ -209,6 +212,7 @@ def test_request_sent_while_asleep_waits_and_is_answered_identically(server):
 
 
 def test_selective_wake_serves_once_kv_cache_wakes(server):
+    server.admin.post("/reset_prefix_cache").raise_for_status()  # the same (empty) cache as after the sleep
     before = choice_of(complete(server))
     server.admin.post("/sleep", params={"level": 1}).raise_for_status()
     with ThreadPoolExecutor(1) as pool:
@@ -226,6 +230,7 @@ def test_selective_wake_serves_once_kv_cache_wakes(server):
 
 
 def test_level_2_then_reload_weights(server):
+    server.admin.post("/reset_prefix_cache").raise_for_status()  # the same (empty) cache as after the sleep
     before = choice_of(complete(server))
     server.admin.post("/sleep", params={"level": 2}).raise_for_status()
     assert server.admin.get("/memory").json()["weights_discarded"] is True
@@ -423,6 +428,7 @@ def test_api_key(locked):
 
 
 def test_engine_failure_is_a_500_and_the_server_goes_on(server):
+    server.admin.post("/reset_prefix_cache").raise_for_status()  # both answers from an empty prefix cache
     before = choice_of(complete(server))
     runner = server.llm.engine.model_runner
 
@@ -438,6 +444,7 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(server):
         assert "injected fault" in events and events.endswith("data: [DONE]\n\n")
     finally:
         del runner.run
+    server.admin.post("/reset_prefix_cache").raise_for_status()
     assert choice_of(complete(server)) == before
 
 
