@@ -267,3 +267,20 @@ def test_preempted_samples_recompute_and_finish(tiny_model_path):
     ref = LLM(tiny_model_path, **ENGINE).generate([prompt], params)[0]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
+    from torpor.cli.main import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "generate", "--model", tiny_model_path, "--device", "cpu", "--num-prompts", "3",
+                 "--prompt-len", "20", "--n", "3", "--output-len", "4", "--max-num-seqs", "16", "--hf-prompts", "1",
+                 "--hf-batch-size", "1", "--json", str(out)]) == 0
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["cached"]["output_tokens"] == result["uncached"]["output_tokens"] == 3 * 3 * 4
+    # the prompts share nothing; each prompt is computed once and its 2 forked samples reuse all of it
+    assert result["cached"]["hit_rate"] == pytest.approx(2 / 3) and result["uncached"]["hit_rate"] == 0
+    assert result["cached"]["computed_prompt_tokens"] == 3 * 20
+    assert result["transformers"]["output_tokens"] == 3 * 4

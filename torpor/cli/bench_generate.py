@@ -127,7 +127,7 @@ def bench_transformers(path: Path, device: torch.device, prompts: list[list[int]
         ids = torch.tensor(batch, device=device)  # equal lengths: no padding
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                  num_return_sequences=args.n, pad_token_id=0)
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 

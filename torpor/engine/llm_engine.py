@@ -146,6 +146,9 @@ class LLMEngine:
         try:
             report = self.memory.sleep(plan) if plan else None
         except BaseException:
+            # The failed sleep may have discarded the KV cache before it rolled back (zeroed blocks): the
+            # prefix cache must not serve them. Nothing runs now (running requests were settled above).
+            self.reset_prefix_cache()
             if mode.level is None:
                 self.scheduler.resume()  # the failed sleep left every tag awake: serve again
             raise

@@ -72,15 +72,13 @@ class Scheduler:
         if seq.sampling_seed is None:
             seq.sampling_seed = self._seed_rng.getrandbits(64)
         samples = [seq] + [seq.fork(i) for i in range(1, n)]
+        for sample in samples[1:]:
+            sample.arrival = seq.arrival
         if self.config.enable_prefix_caching:
             seq.pending_forks = samples[1:]  # forked by the prefill of sample 0
             self.waiting.append(seq)
         else:
-            for sample in samples:
-                sample.arrival = seq.arrival
-                self.waiting.append(sample)
-        for sample in samples[1:]:
-            sample.arrival = seq.arrival
+            self.waiting.extend(samples)
         self._requests[seq.request_id] = samples
         return samples
 
@@ -90,8 +88,8 @@ class Scheduler:
         if n > limit:
             raise ValueError(f"n must be <= {limit} (the engine's max_n {self.config.max_n} and max_num_seqs "
                              f"{self.config.max_num_seqs}), got {n}")
-        bm = self.block_manager
-        if n > 1 and bm.num_blocks_for(num_prompt_tokens + 1) + (n - 1) * 2 > bm.num_blocks:
+        bm = self.block_manager  # admitted together: the prompt's blocks plus a last block per forked sample
+        if n > 1 and bm.enable_prefix_caching and bm.num_blocks_for(num_prompt_tokens) + n - 1 > bm.num_blocks:
             raise ValueError(f"n={n} samples of a {num_prompt_tokens}-token prompt do not fit in the KV cache "
                              f"({bm.num_blocks} blocks of {bm.block_size} tokens)")
 

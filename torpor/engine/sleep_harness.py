@@ -32,8 +32,8 @@ def fixed_requests(num: int, vocab_size: int, seed: int = 0, max_prompt: int = 4
     for i in range(num):
         shares_prefix = i % 4 == 3
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(2, max_prompt))]
-        if shares_prefix:
-            prompt = head + prompt[: max(1, max_prompt - len(head))]
+        if shares_prefix:  # no longer than the other prompts can be
+            prompt = (head + prompt)[: max(len(head) + 1, len(prompt))]
         common = dict(max_tokens=rng.randint(1, max_tokens), logprobs=2, ignore_eos=True,
                       prompt_logprobs=None if shares_prefix else 2, n=2 if shares_prefix else 1)
         if i % 2:
