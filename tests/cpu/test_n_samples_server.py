@@ -95,8 +95,10 @@ def test_reset_prefix_cache_endpoints_and_metrics(server):
     for _ in range(2):
         server.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).raise_for_status()
     assert server.http.post("/reset_prefix_cache").status_code == 401  # admin only
-    for path in ("/reset_prefix_cache", "/flush_cache"):
-        assert server.admin.post(path).json() == {"success": True}
+    for method, path in (("POST", "/reset_prefix_cache"), ("POST", "/flush_cache"), ("GET", "/flush_cache")):
+        server.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).raise_for_status()
+        assert server.llm.engine.scheduler.block_manager.num_cached_blocks > 0
+        assert server.admin.request(method, path).json() == {"success": True}
         assert server.llm.engine.scheduler.block_manager.num_cached_blocks == 0
     found = metrics(server)
     queries, hits = found[("torpor_prefix_cache_queries", ())], found[("torpor_prefix_cache_hits", ())]

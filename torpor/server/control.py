@@ -111,9 +111,9 @@ async def reset_prefix_cache(request: Request) -> dict:
     return {"success": await _run(server.engine.call(server.engine.engine.reset_prefix_cache))}
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> dict:
-    """SGLang's form of /reset_prefix_cache."""
+    """SGLang's form of /reset_prefix_cache (SGLang serves it for GET and POST; slime GETs it)."""
     return await reset_prefix_cache(request)
 
 
