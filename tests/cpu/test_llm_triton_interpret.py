@@ -43,3 +43,29 @@ def test_triton_backend_with_padded_decode_matches_the_cpu_engine(tmp_path):
             assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
     scratch = runner.kv_cache[:, :, runner.config.num_kv_blocks]
     assert scratch.abs().sum() > 0  # the padded rows really wrote there (and only there: outputs match)
+
+
+def test_triton_backend_prefill_over_cached_prefixes_and_forked_samples(tmp_path):
+    """The GPU prefill path over a cached prefix (K/V gathered from the paged cache, masked SDPA) and n forked
+    samples (the copied last block read by the decode kernel), against the CPU engine without caching."""
+    path = str(make_model("tiny", tmp_path / "tiny", dtype="float32", progress=False))
+    options = dict(device="cpu", max_model_len=96, max_num_seqs=12, block_size=16)
+    reference, llm = LLM(path, enable_prefix_caching=False, **options), LLM(path, **options)
+    runner = llm.engine.model_runner
+    backend = TritonAttentionBackend()
+    backend.workspace = torch.empty(runner._workspace_numel(runner.config), dtype=torch.float32)
+    for layer in runner.model.model.layers:
+        layer.self_attn.attn.backend = backend
+    g = torch.Generator().manual_seed(1)
+    head = torch.randint(0, 1000, (35,), generator=g).tolist()
+    prompts = [head + torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 9, 20)]
+    params = SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=6, ignore_eos=True, logprobs=1)
+    expected = reference.generate(prompts, params)
+    llm.generate(prompts, params)  # the heads are cached now
+    got = llm.generate(prompts, params)
+    assert [o.num_cached_tokens for o in got] == [32, 32, 48]
+    for want, out in zip(expected, got, strict=True):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
+        for a, b in zip(out.outputs, want.outputs, strict=True):
+            for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                assert x.keys() == y.keys() and all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)

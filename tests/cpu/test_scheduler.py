@@ -10,10 +10,11 @@ EOS = 1
 
 
 def make_scheduler(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
-                   max_num_batched_tokens=None, seed=0) -> Scheduler:
+                   max_num_batched_tokens=None, seed=0, enable_prefix_caching=False, max_n=256) -> Scheduler:
     config = EngineConfig(model="unused", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                          seed=seed, num_kv_blocks=num_kv_blocks)
+                          seed=seed, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+                          max_n=max_n)
     return Scheduler(config, eos_token_ids=[EOS])
 
 
@@ -30,14 +31,20 @@ def step(sched: Scheduler):
     seqs, is_prefill = sched.schedule()
     cfg, bm = sched.config, sched.block_manager
     held = [b for s in sched.running for b in s.block_table]
-    assert len(held) == len(set(held)) == bm.num_used_blocks
+    assert len(set(held)) == bm.num_used_blocks
+    assert all(bm.ref_count(b) == held.count(b) for b in set(held))
+    if not cfg.enable_prefix_caching:
+        assert len(held) == len(set(held))
     assert len(sched.running) <= cfg.max_num_seqs
     for s in seqs:
         assert s.status is SequenceStatus.RUNNING
         assert len(s.block_table) * cfg.block_size >= len(s)
-        assert s.num_new_tokens == (len(s) if is_prefill else 1)
+        if not cfg.enable_prefix_caching:
+            assert s.num_new_tokens == (len(s) if is_prefill else 1)
+        elif not is_prefill:
+            assert s.num_new_tokens == 1
     if is_prefill:
-        assert sum(s.num_new_tokens for s in seqs) <= cfg.max_num_batched_tokens
+        assert sum(s.num_new_tokens for s in seqs if not s.shares_prefill) <= cfg.max_num_batched_tokens
     finished = sched.postprocess(seqs, [fake_next_token(s) for s in seqs])
     return [s.request_id for s in seqs], is_prefill, finished
 

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from torpor.cli import bench_sleep
 
     bench_sleep.add_parser(bench_sub)
+    from torpor.cli import bench_generate
+
+    bench_generate.add_parser(bench_sub)
     return parser
 
 

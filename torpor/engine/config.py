@@ -50,6 +50,10 @@ class EngineConfig:
     # the first sleep runs as fast as the later ones. Holds host memory of the weights' size; off where the
     # host is short of it (the first sleep then pins them itself).
     reserve_host_copies: bool = True
+    # Automatic prefix caching: full KV blocks are shared between requests with the same prefix (and the
+    # n samples of one request share their prompt's blocks). Off: every sequence computes its own prompt.
+    enable_prefix_caching: bool = True
+    max_n: int = 256                             # the most samples (`SamplingParams.n`) one request may ask for
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -70,11 +74,13 @@ class EngineConfig:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_n"):
             _check_positive_int(name, getattr(self, name))
         _check_int("seed", self.seed)
         if not isinstance(self.reserve_host_copies, bool):
             raise ValueError(f"reserve_host_copies must be True or False, got {self.reserve_host_copies!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.block_size & (self.block_size - 1):
             # The Triton decode kernel tiles one block with tl.arange, which needs a power of two.
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

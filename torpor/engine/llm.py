@@ -235,6 +235,10 @@ class LLM:
         from torpor.engine.logprobs import with_logprob_objects
 
         return with_logprob_objects(output, self.tokenizer, params.logprobs, params.prompt_logprobs)
+    def reset_prefix_cache(self) -> bool:
+        """Forget every KV block cached for prefix reuse (vLLM's name); True when done."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
 
 
 def _prompt_list(prompts) -> list[Prompt]:

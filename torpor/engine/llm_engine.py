@@ -72,12 +72,18 @@ class EngineState:
 
 @dataclass
 class _Request:
-    """The engine's side of one request: its sequence, its text, and how much of it was handed out."""
+    """The engine's side of one request: its n samples (index order), their texts, and how much of each was
+    handed out."""
 
-    seq: Sequence
-    text: OutputText
+    samples: list[Sequence]
+    texts: list[OutputText]
     stream: bool                  # hand out an output every step the request gains tokens
-    num_tokens_out: int = 0       # output tokens already handed out
+    num_tokens_out: list[int]     # per sample: output tokens already handed out
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.samples)
+
 
 WEIGHTS_INVALID = ("the weights are invalid: a reload or update failed after writing part of them; call "
                    "reload_weights() or a complete update_weights() before generating")
@@ -133,6 +139,10 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: together "
                 f"{len(token_ids) + params.max_tokens}, beyond max_model_len ({max_len}); shorten the prompt or "
                 f"ask for at most {max_len - len(token_ids)} tokens", "max_tokens", "context_length_exceeded")
+        try:
+            self.scheduler.check_n(params.n, len(token_ids))
+        except ValueError as exc:
+            raise RequestError(str(exc), "n") from None
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         return Sequence(request_id, token_ids, params, text)
 
@@ -155,11 +165,12 @@ class LLMEngine:
         return token_ids, text
 
     def add_sequence(self, seq: Sequence, stream: bool = False) -> str:
-        """Queue a sequence from `make_sequence`. With `stream`, `step` hands out an output (text and token
-        deltas) every step the request gains tokens; otherwise only once it is finished."""
-        self.scheduler.add(seq)
-        params = seq.sampling_params
-        self._requests[seq.request_id] = _Request(seq, OutputText(self.tokenizer, params, stream), stream)
+        """Queue a sequence from `make_sequence` (with n > 1 its other samples are made here). With `stream`,
+        `step` hands out an output (text and token deltas) every step the request gains tokens; otherwise
+        only once all its samples are finished."""
+        samples = self.scheduler.add(seq)
+        texts = [OutputText(self.tokenizer, sample.sampling_params, stream) for sample in samples]
+        self._requests[seq.request_id] = _Request(samples, texts, stream, [0] * len(samples))
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -172,6 +183,17 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         request = self._requests.pop(request_id, None)
         return None if request is None else self._output(request)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (blocks in use stay with their sequences; they register nothing
+        more). Done by the engine itself whenever the weights change or the KV cache is discarded."""
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens looked up in the prefix cache and found there (counters since start-up)."""
+        bm = self.scheduler.block_manager
+        return {"queries": bm.num_queried_tokens, "hits": bm.num_hit_tokens}
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -205,19 +227,22 @@ class LLMEngine:
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Detokenize what `seqs` gained, end those that reached a stop string, and snapshot the finished
         and the streamed ones."""
-        outputs = []
+        touched: dict[str, _Request] = {}  # the requests this step advanced, in batch order
         for seq in seqs:
             request = self._requests.get(seq.request_id)
             if request is None:  # aborted while its step ran
                 continue
-            stop = request.text.update(seq.output_token_ids)
+            stop = request.texts[seq.index].update(seq.output_token_ids)
             if stop is not None:
                 if seq.is_finished:  # ended by this token anyway (eos, length): the stop string names it
                     seq.finish_reason, seq.stop_reason = "stop", stop
                 else:
                     self.scheduler.finish(seq, "stop", stop)
-            if seq.is_finished:
-                del self._requests[seq.request_id]
+            touched[seq.request_id] = request
+        outputs = []
+        for request_id, request in touched.items():
+            if request.finished:
+                del self._requests[request_id]
                 outputs.append(self._output(request))
             elif request.stream:
                 outputs.append(self._output(request))
@@ -225,15 +250,20 @@ class LLMEngine:
 
     @staticmethod
     def _output(request: _Request) -> RequestOutput:
-        seq, text = request.seq, request.text
-        if seq.is_finished:
-            whole = text.final(seq.output_token_ids)
-            delta = text.delta(whole)
-        else:
-            delta = text.delta()
-            whole = text.text[:text.num_emitted]
-        start, request.num_tokens_out = request.num_tokens_out, seq.num_output_tokens
-        return RequestOutput.from_sequence(seq, whole, delta, start)
+        """A snapshot of every sample: the whole text so far and, streaming, what is new since the last one."""
+        wholes, deltas, starts = [], [], []
+        for i, (seq, text) in enumerate(zip(request.samples, request.texts, strict=True)):
+            if seq.is_finished:
+                whole = text.final(seq.output_token_ids)
+                delta = text.delta(whole)
+            else:
+                delta = text.delta()
+                whole = text.text[:text.num_emitted]
+            wholes.append(whole)
+            deltas.append(delta)
+            starts.append(request.num_tokens_out[i])
+            request.num_tokens_out[i] = seq.num_output_tokens
+        return RequestOutput.from_sequences(request.samples, wholes, deltas, starts)
 
     # ---- state -------------------------------------------------------------------------
     @property
@@ -303,6 +333,9 @@ class LLMEngine:
                 self._restore_context()  # dropping host copies needs the context
             report = self.memory.sleep(plan) if plan else None
         except BaseException:
+            # The failed sleep may have discarded the KV cache before it rolled back (zeroed blocks): the
+            # prefix cache must not serve them. Nothing runs now (running requests were settled above).
+            self.reset_prefix_cache()
             self._sync_scheduler()  # the level did not change: the scheduler goes back to what it did
             raise
         sleep_mode.after_sleep(level)
@@ -393,6 +426,7 @@ class LLMEngine:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
         self._weights_awake("reload_weights")
         self.mark_weights_dirty()
+        self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
         try:
             self.model_runner.reload_weights(path or self.config.model)
         finally:
@@ -406,6 +440,7 @@ class LLMEngine:
         self.mark_weights_dirty()
         discarded = self.sleep_mode is not None and self.sleep_mode.weights_discarded
         strict = discarded or not self.model_runner.weights_valid  # after a mix, only the whole set will do
+        self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
         try:
             count = self.model_runner.update_weights(named_tensors, strict=strict)
         finally:

@@ -240,12 +240,34 @@ class ModelRunner:
         return self._prefill(seqs) if is_prefill else self._decode(seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        batch = prepare_prefill(seqs, self.config.block_size, self.device)
+        """Computes the sequences that are not `shares_prefill`; a forked sample (right after the sample it
+        was forked from) gets that sample's logits row, its prompt logprobs and a copy of its last block."""
+        computed = [seq for seq in seqs if not seq.shares_prefill]
+        batch = prepare_prefill(computed, self.config.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.metadata)  # [num_tokens, hidden_size]
-        for seq, start in zip(seqs, batch.starts, strict=True):
+        for seq, start in zip(computed, batch.starts, strict=True):
             if seq.sampling_params.prompt_logprobs is not None and seq.prompt_logprobs is None:
                 self._prompt_logprobs(seq, hidden, start)
-        return self.model.compute_logits(hidden[batch.last_indices])
+        logits = self.model.compute_logits(hidden[batch.last_indices])  # [len(computed), vocab]
+        if len(computed) == len(seqs):
+            return logits
+        rows, row = [], -1  # the logits row of each of `seqs`
+        for seq in seqs:
+            if not seq.shares_prefill:
+                row, parent = row + 1, seq
+            elif row < 0:
+                raise RuntimeError(f"{seq.seq_id} shares the prefill of no sequence before it")
+            elif seq.prompt_logprobs is None:
+                seq.prompt_logprobs = parent.prompt_logprobs
+            rows.append(row)
+        self._copy_blocks([seq.fork_copy for seq in seqs if seq.fork_copy is not None])
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV blocks copied source -> destination in every layer (the forked samples' last prompt blocks)."""
+        if pairs:
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*pairs, strict=True))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [layers, k/v, blocks, block_size, heads, dim]
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
         """Logprobs of prompt tokens 1.. from the hidden states at positions 0.., PROMPT_LOGPROBS_CHUNK

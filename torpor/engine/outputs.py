@@ -49,16 +49,26 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     prompt_logprobs: list[TokenLogprobs | None] | None   # first entry None: nothing precedes it
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]                      # n completions, in index order
     finished: bool
+    num_cached_tokens: int = 0                           # prompt tokens found in the prefix cache (vLLM's)
 
     @classmethod
-    def from_sequence(cls, seq: Sequence, text: str, delta_text: str = "", delta_start: int = 0) -> RequestOutput:
-        """Snapshot `seq` with its detokenized output `text` and, streaming, what is new since the last
-        snapshot (the engine owns detokenization)."""
-        want_logprobs = seq.sampling_params.logprobs is not None
-        completion = CompletionOutput(
-            index=0,
+    def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
+        """Snapshot a one-sample request `seq` with its detokenized output `text`."""
+        return cls.from_sequences([seq], [text])
+
+    @classmethod
+    def from_sequences(cls, seqs: list[Sequence], texts: list[str], delta_texts: list[str] | None = None,
+                       delta_starts: list[int] | None = None) -> RequestOutput:
+        """Snapshot the samples of one request (index order) with their detokenized texts and, streaming, what
+        is new since the last snapshot (the engine owns detokenization)."""
+        first = seqs[0]
+        want_logprobs = first.sampling_params.logprobs is not None
+        delta_texts = delta_texts or [""] * len(seqs)
+        delta_starts = delta_starts or [0] * len(seqs)
+        completions = [CompletionOutput(
+            index=seq.index,
             text=text,
             token_ids=seq.output_token_ids,
             logprobs=list(seq.output_logprobs) if want_logprobs else None,
@@ -66,12 +76,13 @@ class RequestOutput:
             stop_reason=seq.stop_reason,
             delta_text=delta_text,
             delta_start=delta_start,
-        )
+        ) for seq, text, delta_text, delta_start in zip(seqs, texts, delta_texts, delta_starts, strict=True)]
         return cls(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            prompt_logprobs=seq.prompt_logprobs,
-            outputs=[completion],
-            finished=seq.is_finished,
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
+            finished=all(seq.is_finished for seq in seqs),
+            num_cached_tokens=first.num_prefix_cached_tokens,
         )

@@ -46,6 +46,8 @@ class SamplingParams:
 
     Penalties, logit_bias and min_tokens also steer greedy decoding (they change the argmax); logprobs
     stay those of the model's raw logits.
+    n: completions to sample from the prompt (>= 1; the engine caps it at `EngineConfig.max_n`). The
+        prompt is computed once and its KV blocks shared; sample i draws from its own seed stream.
     """
 
     temperature: float = 1.0
@@ -66,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Normalise the list-like fields to tuples so the params stay hashable and immutable.
@@ -99,6 +102,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

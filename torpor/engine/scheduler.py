@@ -6,6 +6,11 @@ the running batch as soon as blocks allow. When decode runs out of KV blocks, th
 arrived sequences are preempted by recompute: their blocks are freed and they go back to the
 front of the queue, to be prefilled again (prompt + outputs so far) when blocks free up.
 
+A request with n samples (`SamplingParams.n`) is admitted whole: its prefill computes the prompt once
+(sample 0) and forks the other samples from it in the same step (`BlockManager.fork`: full prompt
+blocks shared, the partial last block copied by the model runner after the forward pass). With prefix
+caching off the samples are independent sequences that each compute the prompt (vLLM's behaviour).
+
 Liveness: `EngineConfig` guarantees the KV cache holds max_model_len tokens and a prefill batch
 max_model_len tokens, and `LLMEngine.make_sequence` rejects prompts that leave no room for their
 output tokens, so the oldest sequence can always run; nothing livelocks.
@@ -38,32 +43,59 @@ class Scheduler:
                              "config.with_num_kv_blocks(n) before building the scheduler")
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []           # sorted by arrival, oldest first
         self.paused = False
         self.draining = False  # admit no new prefills; running sequences go on (before a sleep)
-        self._requests: dict[str, Sequence] = {}    # unfinished sequences by request id
+        self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples in index order
         self._arrivals = itertools.count()
         # Seeds of unseeded requests, drawn in arrival order: an engine run is reproducible
         # from config.seed alone.
         self._seed_rng = random.Random(config.seed)
 
     # --- requests in and out -------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises ValueError if it can never be served."""
+    def add(self, seq: Sequence) -> list[Sequence]:
+        """Queue a new request (its sample 0); returns its n sequences in index order. Raises ValueError if
+        it can never be served."""
         if seq.request_id in self._requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table:
+        if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table or seq.index:
             raise ValueError(f"request {seq.request_id!r} was already scheduled ({seq!r})")
+        self.check_n(seq.sampling_params.n, len(seq))
+        n = seq.sampling_params.n
         seq.arrival = next(self._arrivals)
         if seq.sampling_seed is None:
             seq.sampling_seed = self._seed_rng.getrandbits(64)
-        self.waiting.append(seq)
-        self._requests[seq.request_id] = seq
+        samples = [seq] + [seq.fork(i) for i in range(1, n)]
+        for sample in samples[1:]:
+            sample.arrival = seq.arrival
+        if self.config.enable_prefix_caching:
+            seq.pending_forks = samples[1:]  # forked by the prefill of sample 0
+            self.waiting.append(seq)
+        else:
+            self.waiting.extend(samples)
+        self._requests[seq.request_id] = samples
+        return samples
+
+    def check_n(self, n: int, num_prompt_tokens: int) -> None:
+        """ValueError naming `n` unless n samples of such a prompt can be admitted together."""
+        limit = min(self.config.max_n, self.config.max_num_seqs)
+        if n > limit:
+            raise ValueError(f"n must be <= {limit} (the engine's max_n {self.config.max_n} and max_num_seqs "
+                             f"{self.config.max_num_seqs}), got {n}")
+        bm = self.block_manager  # admitted together: the prompt's blocks plus a last block per forked sample
+        if n > 1 and bm.enable_prefix_caching and bm.num_blocks_for(num_prompt_tokens) + n - 1 > bm.num_blocks:
+            raise ValueError(f"n={n} samples of a {num_prompt_tokens}-token prompt do not fit in the KV cache "
+                             f"({bm.num_blocks} blocks of {bm.block_size} tokens)")
+
+    def samples(self, request_id: str) -> list[Sequence]:
+        """The sequences of an unfinished request, in index order ([] if there is none)."""
+        return self._requests.get(request_id, [])
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        """End `seq` now (stop string found by the engine, abort, ...) and free its blocks."""
+        """End `seq` now (stop string found by the engine, abort, ...) and free its blocks. Samples still
+        waiting to be forked from it end with it (they share its fate until its prefill)."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -71,17 +103,24 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
-        del self._requests[seq.request_id]
+        for sample in [seq, *seq.pending_forks]:
+            sample.status = SequenceStatus.FINISHED
+            sample.finish_reason = reason
+            sample.stop_reason = stop_reason
+        seq.pending_forks = []
+        samples = self._requests.get(seq.request_id, [])
+        if all(sample.is_finished for sample in samples):
+            self._requests.pop(seq.request_id, None)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish an unfinished request with reason 'abort'; None if there is no such request."""
-        seq = self._requests.get(request_id)
-        if seq is not None:
-            self.finish(seq, "abort")
-        return seq
+        """Finish every unfinished sample of a request with reason 'abort'; returns its sample 0, or None if
+        there is no such request."""
+        samples = self._requests.get(request_id)
+        if samples is None:
+            return None
+        for sample in samples:
+            self.finish(sample, "abort")
+        return samples[0]
 
     def is_finished(self) -> bool:
         """True when no request waits or runs."""
@@ -111,18 +150,39 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         num_tokens = 0
-        while self.waiting and len(self.running) < self.config.max_num_seqs and not self.draining:
+        bm = self.block_manager
+        while self.waiting and not self.draining:
             seq = self.waiting[0]
-            if (num_tokens + seq.num_new_tokens > self.config.max_num_batched_tokens
-                    or not self.block_manager.can_allocate(seq)):
+            num_forks, use_cache = len(seq.pending_forks), self._may_use_cache(seq)
+            num_new = seq.num_new_tokens - bm.num_hit_tokens_for(seq, use_cache)
+            if (len(self.running) + 1 + num_forks > self.config.max_num_seqs
+                    or num_tokens + num_new > self.config.max_num_batched_tokens
+                    or not bm.can_allocate(seq, num_forks, use_cache)):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_arrival)
-            scheduled.append(seq)
+            bm.allocate(seq, use_cache)
+            scheduled.append(self._start(seq))
+            scheduled += [self._fork(seq, child) for child in seq.pending_forks]
+            seq.pending_forks = []
             num_tokens += seq.num_new_tokens
         return scheduled
+
+    @staticmethod
+    def _may_use_cache(seq: Sequence) -> bool:
+        """Prompt logprobs need the hidden state of every prompt position: such a request computes its whole
+        prompt at its first prefill (its blocks still serve others)."""
+        return seq.sampling_params.prompt_logprobs is None or seq.prompt_logprobs is not None
+
+    def _start(self, seq: Sequence) -> Sequence:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_arrival)
+        return seq
+
+    def _fork(self, parent: Sequence, child: Sequence) -> Sequence:
+        """`child` joins the step that prefills `parent` (right after it in the batch)."""
+        child.fork_copy = self.block_manager.fork(parent, child)
+        child.shares_prefill = True
+        return self._start(child)
 
     def _schedule_decode(self) -> list[Sequence]:
         # Oldest first: a sequence that needs a block takes it from the newest ones.

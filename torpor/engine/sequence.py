@@ -12,6 +12,15 @@ FinishReason = Literal["stop", "length", "abort"]
 # (the chosen output token, or the real next prompt token). Values are float32 rounded to float.
 TokenLogprobs = dict[int, float]
 
+_MASK64 = (1 << 64) - 1
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: the samples' seeds are far apart
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The sampling seed of sample `index` of a request seeded `seed` (sample 0 uses `seed` itself, so
+    n=1 and the first of n samples draw the same tokens)."""
+    return seed if index == 0 else (seed + index * _SEED_STRIDE) & _MASK64
+
 
 class SequenceStatus(Enum):
     WAITING = auto()    # queued, or preempted: holds no KV blocks
@@ -25,12 +34,17 @@ class Sequence:
     KV-cache invariant: the first `num_cached_tokens` tokens have their K/V in the blocks of
     `block_table`; the next forward pass computes `token_ids[num_cached_tokens:]` (the whole
     sequence at prefill, the last token at decode). Preemption drops the blocks and resets
-    `num_cached_tokens` to 0, so the next prefill recomputes prompt and outputs. The prompt was
-    validated by `LLMEngine.make_sequence`.
+    `num_cached_tokens` to 0, so the next prefill recomputes prompt and outputs (from the first block the
+    prefix cache does not hold). The prompt was validated by `LLMEngine.make_sequence`.
+
+    A request with n samples is n sequences with the same `request_id` and `index` 0..n-1 (`seq_id` tells
+    them apart). Sample 0 is queued with the others in `pending_forks`; the prefill that computes its
+    prompt forks them (see Scheduler), and for that one step they are `shares_prefill`: the step samples
+    their first token from sample 0's logits.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams | None = None, prompt: str | None = None):
+                 sampling_params: SamplingParams | None = None, prompt: str | None = None, index: int = 0):
         self.request_id = request_id
         self.prompt = prompt
         self.sampling_params = sampling_params or SamplingParams()
@@ -46,7 +60,32 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.arrival = -1                                     # set by Scheduler.add
         # Counter-based sampling seed (see sampler.py); Scheduler.add fills it when unseeded.
-        self.sampling_seed: int | None = self.sampling_params.seed
+        self.sampling_seed: int | None = (None if self.sampling_params.seed is None
+                                          else sample_seed(self.sampling_params.seed, index))
+        self.index = index                                    # sample index within the request
+        self.pending_forks: list[Sequence] = []               # samples 1..n-1 until the prompt's prefill
+        self.shares_prefill = False                           # forked this step: no tokens of its own to compute
+        self.fork_copy: tuple[int, int] | None = None         # (source, destination) block copied at the fork
+        # Prefix caching (see BlockManager): keys of the full blocks of token_ids, grown as blocks fill;
+        # how many of this sequence's blocks are registered in the cache; the cache generation they
+        # belong to; the prompt tokens found in the cache at the first prefill (RequestOutput's field).
+        self.block_keys: list[int] = []
+        self.num_registered_blocks = 0
+        self.cache_epoch = -1
+        self.num_prefix_cached_tokens = 0
+
+    @property
+    def seq_id(self) -> tuple[str, int]:
+        """Unique among the engine's sequences: (request id, sample index)."""
+        return self.request_id, self.index
+
+    def fork(self, index: int) -> Sequence:
+        """A fresh sample `index` of this (sample 0's) request: same prompt and params, its own seed."""
+        if self.index != 0:
+            raise RuntimeError(f"only sample 0 forks, not sample {self.index} of {self.request_id!r}")
+        child = Sequence(self.request_id, self.prompt_token_ids, self.sampling_params, self.prompt, index)
+        child.sampling_seed = None if self.sampling_seed is None else sample_seed(self.sampling_seed, index)
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -83,6 +122,7 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record a sampled token; every token computed so far is now in the KV cache."""
         self.num_cached_tokens = len(self.token_ids)
+        self.shares_prefill, self.fork_copy = False, None
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

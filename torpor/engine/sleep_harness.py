@@ -1,8 +1,10 @@
 """The bit-exact sleep/wake harness and the soak, shared by the tests and `torpor bench sleep`.
 
-A fixed batch of requests (mixed lengths, greedy and seeded sampling, output and prompt logprobs)
-runs once awake; after every kind of sleep and wake the same batch runs again and must match the
-first round exactly: token ids, text, every output logprob and every prompt logprob.
+A fixed batch of requests (mixed lengths, greedy and seeded sampling, output and prompt logprobs,
+every fourth one sharing a prefix with the others of its kind and sampling n = 2 completions, so the
+prefix cache and forked samples are exercised) runs once awake, from an empty prefix cache; after
+every kind of sleep and wake the same batch runs again and must match the first round exactly:
+token ids, text, every output logprob and every prompt logprob.
 """
 
 from __future__ import annotations
@@ -22,12 +24,19 @@ Request = tuple[list[int], SamplingParams]
 
 def fixed_requests(num: int, vocab_size: int, seed: int = 0, max_prompt: int = 48,
                    max_tokens: int = 16) -> list[Request]:
-    """`num` requests of mixed prompt lengths; even ones greedy, odd ones seeded sampling."""
+    """`num` requests of mixed prompt lengths; even ones greedy, odd ones seeded sampling. Every fourth
+    prompt starts with the same head (up to 3/4 of max_prompt tokens), asks for no prompt logprobs (so it
+    may use the prefix cache) and samples two completions."""
     rng = random.Random(seed)
+    head = [rng.randrange(vocab_size) for _ in range(max(1, max_prompt * 3 // 4))]
     requests = []
     for i in range(num):
+        shares_prefix = i % 4 == 3
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(2, max_prompt))]
-        common = dict(max_tokens=rng.randint(1, max_tokens), logprobs=2, prompt_logprobs=2, ignore_eos=True)
+        if shares_prefix:  # no longer than the other prompts can be
+            prompt = (head + prompt)[: max(len(head) + 1, len(prompt))]
+        common = dict(max_tokens=rng.randint(1, max_tokens), logprobs=2, ignore_eos=True,
+                      prompt_logprobs=None if shares_prefix else 2, n=2 if shares_prefix else 1)
         if i % 2:
             params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=10_000 + i, **common)
         else:
@@ -37,6 +46,7 @@ def fixed_requests(num: int, vocab_size: int, seed: int = 0, max_prompt: int = 4
 
 
 def run_round(llm, requests: list[Request]) -> list[RequestOutput]:
+    """One round of `requests` (the prefix cache as it is: empty after any sleep that discards the KV)."""
     return llm.generate([p for p, _ in requests], [sp for _, sp in requests])
 
 
@@ -44,13 +54,24 @@ def differences(reference: list[RequestOutput], outputs: list[RequestOutput]) ->
     """Every way `outputs` differ from `reference` (empty when bit-identical)."""
     found = []
     for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
-        a, b = ref.outputs[0], out.outputs[0]
-        for field, x, y in (("token_ids", a.token_ids, b.token_ids), ("text", a.text, b.text),
-                            ("logprobs", a.logprobs, b.logprobs),
-                            ("prompt_logprobs", ref.prompt_logprobs, out.prompt_logprobs)):
-            if x != y:
-                found.append(f"request {i}: {field} differ")
+        if len(ref.outputs) != len(out.outputs):
+            found.append(f"request {i}: {len(out.outputs)} completions, not {len(ref.outputs)}")
+        for a, b in zip(ref.outputs, out.outputs, strict=False):
+            for field, x, y in (("token_ids", a.token_ids, b.token_ids), ("text", a.text, b.text),
+                                ("logprobs", a.logprobs, b.logprobs)):
+                if x != y:
+                    found.append(f"request {i} sample {a.index}: {field} differ")
+        if ref.prompt_logprobs != out.prompt_logprobs:
+            found.append(f"request {i}: prompt_logprobs differ")
     return found
+
+
+def reference_round(llm, requests: list[Request]) -> list[RequestOutput]:
+    """The first round, from an empty prefix cache: the state every KV-discarding sleep leaves."""
+    reset = getattr(llm, "reset_prefix_cache", None)
+    if reset is not None:
+        reset()
+    return run_round(llm, requests)
 
 
 @dataclass
@@ -121,7 +142,7 @@ def run_harness(llm, requests: list[Request], log: Callable[[str], None] = print
                 cases: list[Scenario] | None = None) -> list[Scenario]:
     """The first awake round, then every scenario (default: `scenarios()`) followed by a round compared
     with it."""
-    reference = run_round(llm, requests)
+    reference = reference_round(llm, requests)
     results = []
     for scenario in cases if cases is not None else scenarios():
         scenario.sleep_s, scenario.wake_s, scenario.asleep_bytes = scenario.run(llm)
@@ -164,7 +185,7 @@ def soak(llm, requests: list[Request], cycles: int, log: Callable[[str], None] |
          cases: list[Scenario] | None = None) -> SoakResult:
     """`cycles` sleep/wake cycles alternating levels and selective wakes (default: `scenarios()`), each
     followed by a round that must equal the first; device memory and host RSS recorded after every wake."""
-    reference = run_round(llm, requests)
+    reference = reference_round(llm, requests)
     patterns = cases if cases is not None else scenarios()
     result = SoakResult(cycles, 0, [], [], period=len(patterns))
     for cycle in range(cycles):

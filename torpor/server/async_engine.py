@@ -232,7 +232,7 @@ class AsyncEngine:
         state = self.engine.state()
         memory = self.engine.memory_usage() if self.engine.sleep_mode is not None else None
         return {"num_running": state.num_running, "num_waiting": state.num_waiting, "serving": state.serving,
-                "memory": memory}
+                "memory": memory, "prefix_cache": self.engine.prefix_cache_stats()}
 
     def _publish_state(self) -> None:
         state = self.engine.state()

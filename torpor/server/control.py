@@ -131,6 +131,20 @@ async def resume_memory_occupation(request: Request, body: TagsRequest | None = 
     return {"success": True, **await _wake(request.app.state.server, None if tags is None else _engine_tags(tags))}
 
 
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    """vLLM's form: forget every KV block cached for prefix reuse."""
+    server: ServerState = request.app.state.server
+    return {"success": await _run(server.engine.call(server.engine.engine.reset_prefix_cache))}
+
+
+@router.post("/flush_cache", operation_id="flush_cache")
+@router.get("/flush_cache", operation_id="flush_cache_get")
+async def flush_cache(request: Request) -> dict:
+    """SGLang's form of /reset_prefix_cache (SGLang serves it for GET and POST; slime GETs it)."""
+    return await reset_prefix_cache(request)
+
+
 # ---- the operations -----------------------------------------------------------------------------
 async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dict:
     if isinstance(level, bool) or not isinstance(level, int):

@@ -34,6 +34,12 @@ class Metrics:
         self.device_used = Gauge("torpor_device_used_bytes", "device memory in use", registry=r)
         self.num_running = Gauge("torpor_num_requests_running", "requests in the running batch", registry=r)
         self.num_waiting = Gauge("torpor_num_requests_waiting", "requests queued (asleep or no room)", registry=r)
+        self.prefix_cache_queries = Gauge("torpor_prefix_cache_queries", "prompt tokens looked up in the prefix "
+                                          "cache since start-up", registry=r)
+        self.prefix_cache_hits = Gauge("torpor_prefix_cache_hits", "prompt tokens found in the prefix cache "
+                                       "since start-up", registry=r)
+        self.prefix_cache_hit_rate = Gauge("torpor_prefix_cache_hit_rate", "hits / queries since start-up",
+                                           registry=r)
 
     def observe_request(self, endpoint: str, seconds: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self.request_latency.labels(endpoint).observe(seconds)
@@ -45,6 +51,11 @@ class Metrics:
         self.num_running.set(stats["num_running"])
         self.num_waiting.set(stats["num_waiting"])
         self.serving.set(int(stats["serving"]))
+        prefix_cache = stats.get("prefix_cache")
+        if prefix_cache is not None:
+            self.prefix_cache_queries.set(prefix_cache["queries"])
+            self.prefix_cache_hits.set(prefix_cache["hits"])
+            self.prefix_cache_hit_rate.set(prefix_cache["hits"] / max(1, prefix_cache["queries"]))
         memory = stats["memory"]
         if memory is None:
             return

@@ -48,14 +48,14 @@ async def completions(body: CompletionRequest, request: Request):
     server: ServerState = request.app.state.server
     _check_request(server, body)
     body, default_max_tokens = _with_generation_defaults(server, body)
-    token_ids = body.prompt_token_ids(server.engine.tokenizer)
+    prompts = body.prompts_token_ids(server.engine.tokenizer)
     check_logprobs(body.logprobs, "logprobs")
     max_tokens = _max_tokens(server, body.max_tokens, default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
-                             len(token_ids))
+                             max(map(len, prompts)))
     params = body.sampling_params(max_tokens, body.logprobs)
     fmt = CompletionFormat(server.engine.tokenizer, server.config.model_name, f"cmpl-{uuid.uuid4().hex}",
                            body.logprobs)
-    return await _generate(request, server, "completions", fmt, token_ids, params, body)
+    return await _generate(request, server, "completions", fmt, prompts, params, body)
 
 
 @router.post("/v1/chat/completions")
@@ -72,7 +72,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = body.sampling_params(max_tokens, num_logprobs)
     fmt = ChatFormat(server.engine.tokenizer, server.config.model_name, f"chatcmpl-{uuid.uuid4().hex}",
                      num_logprobs)
-    return await _generate(request, server, "chat", fmt, token_ids, params, body)
+    return await _generate(request, server, "chat", fmt, [token_ids], params, body)
+
 
 
 def _check_request(server: ServerState, body: GenerationRequest) -> None:
@@ -100,35 +101,44 @@ def _max_tokens(server: ServerState, requested: int | None, default: int | None,
     return resolve_max_tokens(requested, default, num_prompt_tokens, max_model_len, cap, param)
 
 
-async def _generate(request: Request, server: ServerState, endpoint: str, fmt: ResponseFormat, token_ids: list[int],
-                    params: SamplingParams, body: GenerationRequest):
+async def _generate(request: Request, server: ServerState, endpoint: str, fmt: ResponseFormat,
+                    prompts: list[list[int]], params: SamplingParams, body: GenerationRequest):
+    """One engine request per prompt (a batch of prompts in /v1/completions), each with `params.n` samples."""
     start = time.perf_counter()
     try:  # before waiting: a request the engine refuses is a 400 at once, asleep or not
-        server.engine.check_request(token_ids, params)
+        for token_ids in prompts:
+            server.engine.check_request(token_ids, params)
     except RequestError as exc:
         param = ("prompt" if endpoint == "completions" else "messages") if exc.field == "prompt" else exc.field
         raise APIError(400, str(exc), param=param, code=exc.code) from None
     await _wait_if_asleep(request, server)
+    streams: list[RequestStream] = []
     try:
-        stream = await server.engine.add_request(fmt.request_id, token_ids, params, stream=bool(body.stream))
+        for i, token_ids in enumerate(prompts):
+            request_id = fmt.request_id if len(prompts) == 1 else f"{fmt.request_id}-{i}"
+            streams.append(await server.engine.add_request(request_id, token_ids, params, stream=bool(body.stream)))
     except Exception as exc:
+        for stream in streams:
+            stream.abort()
         raise engine_error(exc) from None
 
     def done(output: RequestOutput) -> None:
-        server.metrics.observe_request(endpoint, time.perf_counter() - start, len(token_ids),
-                                       len(output.outputs[0].token_ids))
+        server.metrics.observe_request(endpoint, time.perf_counter() - start, len(output.prompt_token_ids),
+                                       sum(len(c.token_ids) for c in output.outputs))
 
     if body.stream:
-        events = _stream_events(stream, fmt, len(token_ids), body.include_usage, done)
+        events = _stream_events(streams, fmt, params.n, prompts, body.include_usage, done)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        output = await _unless_disconnected(request, stream.result())
+        outputs = await _unless_disconnected(request, asyncio.gather(*(stream.result() for stream in streams)))
     except Exception as exc:
         raise engine_error(exc) from None
     finally:
-        stream.abort()
-    done(output)
-    return fmt.response(output)
+        for stream in streams:
+            stream.abort()
+    for output in outputs:
+        done(output)
+    return fmt.response(list(outputs))
 
 
 async def _wait_if_asleep(request: Request, server: ServerState) -> None:
@@ -175,27 +185,55 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream_events(stream: RequestStream, fmt: ResponseFormat, num_prompt_tokens: int, include_usage: bool,
-                         done) -> AsyncIterator[str]:
-    """Server-sent events: an opening chunk (chat), one chunk per step's tokens, the final chunk with
-    the finish reason, the usage (if asked for), then `[DONE]`. An engine error ends the stream with
-    an error event."""
+async def _stream_events(streams: list[RequestStream], fmt: ResponseFormat, n: int, prompts: list[list[int]],
+                         include_usage: bool, done) -> AsyncIterator[str]:
+    """Server-sent events: an opening chunk per choice (chat), one chunk per step for each choice that gained
+    text or tokens (choice index = prompt index * n + sample index; the engine's deltas, stop strings already
+    applied), each choice's final chunk with its finish reason, the usage (if asked for), then `[DONE]`. An
+    engine error ends the stream with an error event."""
+    merged: asyncio.Queue = asyncio.Queue()  # (prompt index, output or error) from every prompt's stream
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await merged.put((i, output))
+        except Exception as exc:
+            await merged.put((i, exc))
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    ended: set[int] = set()  # choices whose final chunk went out
+    num_output_tokens, num_open = 0, len(streams)
     try:
-        opening = fmt.opening_chunk()
-        if opening is not None:
-            yield _sse(opening)
-        async for output in stream:  # the engine's deltas: stop strings already applied
-            completion = output.outputs[0]
-            yield _sse(fmt.chunk(completion.delta_text, completion.delta_token_ids, completion.delta_logprobs,
-                                 completion.finish_reason))
+        for index in range(len(streams) * n):
+            opening = fmt.opening_chunk(index)
+            if opening is not None:
+                yield _sse(opening)
+        while num_open:
+            i, output = await merged.get()
+            if isinstance(output, BaseException):
+                raise output
+            for completion in output.outputs:
+                index = i * n + completion.index
+                if index in ended or not (completion.delta_text or completion.delta_token_ids
+                                          or completion.finish_reason is not None):
+                    continue
+                if completion.finish_reason is not None:
+                    ended.add(index)
+                yield _sse(fmt.chunk(completion.delta_text, completion.delta_token_ids, completion.delta_logprobs,
+                                     completion.finish_reason, index))
             if output.finished:
-                if include_usage:
-                    yield _sse(fmt.usage_chunk(num_prompt_tokens, len(completion.token_ids)))
+                num_open -= 1
+                num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                 done(output)
+        if include_usage:
+            yield _sse(fmt.usage_chunk(sum(map(len, prompts)), num_output_tokens))
     except Exception as exc:
         yield _sse(engine_error(exc).body())
     finally:
-        stream.abort()
+        for task in pumps:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
     yield "data: [DONE]\n\n"
 
 

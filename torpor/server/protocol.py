@@ -1,8 +1,9 @@
 """OpenAI request bodies (pydantic) and their translation into prompt token ids and `SamplingParams`.
 
 Every option is honoured or refused with a 400 naming it (`code: "unsupported_parameter"`):
-- the penalties, `logit_bias` (token id strings -> [-100, 100]) and vLLM's extra sampling fields (`top_k`,
-  `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+- `n` (samples per prompt; a list of prompts in /v1/completions is a batch), the penalties, `logit_bias`
+  (token id strings -> [-100, 100]) and vLLM's extra sampling fields (`top_k`, `min_p`,
+  `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
   `include_stop_str_in_output`) go into `SamplingParams`;
 - declared fields torpor cannot honour with a non-default value (echo, suffix, best_of,
   response_format, tools, tool_choice) are refused by `check_supported`;
@@ -109,14 +110,11 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool | None = None
 
     def check_supported(self) -> None:
-        unsupported: dict[str, Any] = {"n": self.n not in (None, 1),
-                                       "response_format": self.response_format not in (None, {"type": "text"})}
+        unsupported: dict[str, Any] = {"response_format": self.response_format not in (None, {"type": "text"})}
         unsupported.update(self._unsupported())
         for field, refused in unsupported.items():
             if refused:
-                value = getattr(self, field)
-                hint = "; send one request per completion" if field == "n" else ""
-                raise APIError(400, f"{field}={value!r} is not supported by torpor{hint}", param=field,
+                raise APIError(400, f"{field}={getattr(self, field)!r} is not supported by torpor", param=field,
                                code="unsupported_parameter")
 
     def _unsupported(self) -> dict[str, bool]:
@@ -150,7 +148,7 @@ class GenerationRequest(BaseModel):
                 top_k=-1 if self.top_k is None else self.top_k,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=bool(self.ignore_eos), seed=self.seed, logprobs=logprobs,
-                logit_bias=self._logit_bias(), **options)
+                logit_bias=self._logit_bias(), n=1 if self.n is None else self.n, **options)
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field in type(self).model_fields else None) from None
@@ -194,14 +192,20 @@ class CompletionRequest(GenerationRequest):
     def _unsupported(self) -> dict[str, bool]:
         return {"echo": bool(self.echo), "suffix": bool(self.suffix), "best_of": self.best_of not in (None, 1)}
 
-    def prompt_token_ids(self, tokenizer) -> list[int]:
-        """The prompt's token ids (the engine validates them: `LLMEngine.make_sequence`)."""
+    def prompts_token_ids(self, tokenizer) -> list[list[int]]:
+        """The token ids of each prompt of the request (a list of strings or of token-id lists is a batch;
+        the engine validates them: `LLMEngine.make_sequence`)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, f"a batch of {len(prompt)} prompts is not supported; send one request "
-                                    "per prompt", param="prompt", code="unsupported_parameter")
-            prompt = prompt[0]
+            return [self.prompt_token_ids(tokenizer, p) for p in prompt]
+        return [self.prompt_token_ids(tokenizer)]
+
+    def prompt_token_ids(self, tokenizer, prompt: str | list[int] | None = None) -> list[int]:
+        """The token ids of `prompt` (default: the request's single prompt)."""
+        prompt = self.prompt if prompt is None else prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            raise APIError(400, "prompt must be a string, a list of token ids, or a list of either",
+                           param="prompt")
         token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids or prompt == "":
             raise APIError(400, "the prompt is empty", param="prompt")

@@ -30,24 +30,32 @@ class ResponseFormat:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def response(self, output: RequestOutput) -> dict:
-        completion = output.outputs[0]
-        choice = self._choice(completion.text, completion.token_ids, completion.logprobs, completion.finish_reason,
-                              whole=True)
-        return self._envelope(self.object, [choice],
-                              usage=usage(len(output.prompt_token_ids), len(completion.token_ids)))
+    def response(self, output: RequestOutput | list[RequestOutput]) -> dict:
+        """The whole response of one request, or of a batch of prompts (one output each): choice index =
+        prompt index * n + sample index, as OpenAI and vLLM number them."""
+        outputs = output if isinstance(output, list) else [output]
+        choices, num_prompt_tokens, num_output_tokens = [], 0, 0
+        for i, out in enumerate(outputs):
+            num_prompt_tokens += len(out.prompt_token_ids)
+            for completion in out.outputs:
+                index = i * len(out.outputs) + completion.index
+                choices.append(self._choice(completion.text, completion.token_ids, completion.logprobs,
+                                            completion.finish_reason, whole=True, index=index))
+                num_output_tokens += len(completion.token_ids)
+        return self._envelope(self.object, choices, usage=usage(num_prompt_tokens, num_output_tokens))
 
     def chunk(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
-              finish_reason: str | None) -> dict:
-        return self._envelope(self.chunk_object, [self._choice(text, token_ids, logprobs, finish_reason, whole=False)])
+              finish_reason: str | None, index: int = 0) -> dict:
+        return self._envelope(self.chunk_object, [self._choice(text, token_ids, logprobs, finish_reason, whole=False,
+                                                               index=index)])
 
     def usage_chunk(self, num_prompt_tokens: int, num_output_tokens: int) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage(num_prompt_tokens, num_output_tokens))
 
-    def opening_chunk(self) -> dict | None:
+    def opening_chunk(self, index: int = 0) -> dict | None:
         return None
 
-    def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool) -> dict:
+    def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool, index: int = 0) -> dict:
         raise NotImplementedError
 
 
@@ -58,18 +66,18 @@ class CompletionFormat(ResponseFormat):
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self._text_offset = 0  # of the next token, across the chunks of a stream
+        self._text_offsets: dict[int, int] = {}  # choice index -> offset of its next token, across chunks
 
-    def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool) -> dict:
-        return {"index": 0, "text": text, "finish_reason": finish_reason,
-                "logprobs": self._logprobs(token_ids, logprobs) if self.num_logprobs is not None else None}
+    def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool, index: int = 0) -> dict:
+        return {"index": index, "text": text, "finish_reason": finish_reason,
+                "logprobs": self._logprobs(token_ids, logprobs, index) if self.num_logprobs is not None else None}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], index: int = 0) -> dict:
         tokens, offsets = [], []
         for token_id in token_ids:
             tokens.append(self.token_text(token_id))
-            offsets.append(self._text_offset)
-            self._text_offset += len(tokens[-1])
+            offsets.append(self._text_offsets.get(index, 0))
+            self._text_offsets[index] = offsets[-1] + len(tokens[-1])
         # The engine gives the top-n plus the chosen token: all of them, most likely first.
         tops = [{self.token_text(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])} for lp in logprobs]
         return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
@@ -82,17 +90,17 @@ class ChatFormat(ResponseFormat):
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def opening_chunk(self) -> dict:
-        return self._envelope(self.chunk_object, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def opening_chunk(self, index: int = 0) -> dict:
+        return self._envelope(self.chunk_object, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}])
 
-    def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool) -> dict:
+    def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool, index: int = 0) -> dict:
         if whole:
             body = {"message": {"role": "assistant", "content": text}}
         else:
             body = {"delta": {"content": text} if text else {}}
         lps = self._logprobs(token_ids, logprobs) if self.num_logprobs is not None else None
-        return {"index": 0, **body, "logprobs": lps, "finish_reason": finish_reason}
+        return {"index": index, **body, "logprobs": lps, "finish_reason": finish_reason}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         # `bytes`: the token's raw bytes (a byte-fallback or partial UTF-8 token is not U+FFFD's UTF-8)

@@ -1,0 +1,145 @@
+"""`torpor bench generate`: a GRPO-shaped rollout (many prompts, n sampled completions each, seeded) with
+and without prefix caching, against Hugging Face transformers' `generate(num_return_sequences=n)`.
+
+Default workload: 64 prompts of 512 random tokens, n = 8, 256 output tokens each (ignore_eos), seeded
+sampling at temperature 1. Output tokens/s of the engine with prefix caching (the prompt prefilled once
+per request, its blocks shared by the n samples) and without it (every sample prefills its prompt, as
+vLLM does with caching off), the prefix-cache hit rate, and transformers on the same checkpoint, dtype
+and device (--hf-prompts prompts, --hf-batch-size prompts per `generate` call; its tokens/s does not
+depend on how many batches run, so a subset keeps the run short).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from torpor.cli.bench_decode import _cache_root, _device_name, _release, _sync, checkpoint
+
+PRESETS = ("qwen3-0.6b", "qwen3-8b", "tiny")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="n samples per prompt (GRPO-shaped): prefix caching on/off vs transformers",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--cache-dir", default=None, help="where presets are generated (default: $TORPOR_CACHE/models)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--n", type=int, default=8, help="completions per prompt")
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--hf-prompts", type=int, default=16, help="prompts timed through transformers (0: skip)")
+    p.add_argument("--hf-batch-size", type=int, default=8, help="prompts per transformers generate call")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from torpor.engine.llm import _resolve_device
+    from torpor.engine.models import ModelConfig
+
+    device = torch.device(_resolve_device(args.device))
+    if args.model in PRESETS:
+        path = checkpoint(args.model, Path(args.cache_dir or Path(_cache_root()) / "models"))
+    else:
+        path = Path(args.model)
+    rng = random.Random(args.seed)
+    vocab_size = ModelConfig.from_pretrained(path).vocab_size
+    prompts = [[rng.randrange(vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    print(f"bench generate: {path.name} on {_device_name(device)}: {args.num_prompts} prompts x {args.prompt_len} "
+          f"tokens, n={args.n}, {args.output_len} output tokens, seeded sampling")
+    result = {"model": str(path), "device": _device_name(device), **{k: getattr(args, k) for k in (
+        "num_prompts", "prompt_len", "n", "output_len", "seed")}}
+    for caching in (True, False):
+        row = bench_engine(path, device, prompts, args, caching)
+        result["cached" if caching else "uncached"] = row
+        print(f"  engine, prefix caching {'on ' if caching else 'off'}: {row['tokens_per_s']:.0f} output tok/s "
+              f"({row['output_tokens']} tokens in {row['seconds']:.2f} s), prefix-cache hit rate "
+              f"{row['hit_rate']:.1%}, prompt tokens computed {row['computed_prompt_tokens']}")
+    result["caching_speedup"] = result["cached"]["tokens_per_s"] / result["uncached"]["tokens_per_s"]
+    print(f"  prefix caching: {result['caching_speedup']:.2f}x (goal >= 1.5x)")
+    if args.hf_prompts:
+        hf = bench_transformers(path, device, prompts[: args.hf_prompts], args)
+        if hf is not None:
+            result["transformers"] = hf
+            result["vs_transformers"] = result["cached"]["tokens_per_s"] / hf["tokens_per_s"]
+            print(f"  transformers generate(num_return_sequences={args.n}), {args.hf_prompts} prompts in batches "
+                  f"of {args.hf_batch_size}: {hf['tokens_per_s']:.0f} output tok/s ({hf['seconds']:.1f} s); "
+                  f"engine with caching {result['vs_transformers']:.1f}x (goal >= 20x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def bench_engine(path: Path, device: torch.device, prompts: list[list[int]], args: argparse.Namespace,
+                 caching: bool) -> dict:
+    from torpor.engine import LLM, SamplingParams
+
+    llm = LLM(str(path), device=str(device), max_model_len=args.prompt_len + args.output_len + 1,
+              max_num_seqs=args.max_num_seqs, max_n=args.n, gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=caching)
+    params = [SamplingParams(temperature=1.0, seed=args.seed * 1_000_003 + i, n=args.n, max_tokens=args.output_len,
+                             ignore_eos=True) for i in range(len(prompts))]
+    warm = [[(t + 1) % 1000 for t in prompts[0]]]  # a prompt the workload does not share blocks with
+    llm.generate(warm, SamplingParams(temperature=1.0, seed=1, n=args.n, max_tokens=min(8, args.output_len),
+                                      ignore_eos=True))
+    llm.reset_prefix_cache()
+    before = llm.engine.prefix_cache_stats()
+    _sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    stats = llm.engine.prefix_cache_stats()
+    queries, hits = stats["queries"] - before["queries"], stats["hits"] - before["hits"]
+    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    assert num_tokens == len(prompts) * args.n * args.output_len, "every sample must produce output_len tokens"
+    total_prompt = len(prompts) * args.n * args.prompt_len
+    row = dict(output_tokens=num_tokens, seconds=seconds, tokens_per_s=num_tokens / seconds,
+               hit_rate=hits / queries if queries else 0.0, computed_prompt_tokens=total_prompt - hits,
+               num_kv_blocks=llm.config.num_kv_blocks)
+    llm.close()
+    del llm, outputs
+    _release(device)
+    return row
+
+
+def bench_transformers(path: Path, device: torch.device, prompts: list[list[int]], args: argparse.Namespace):
+    """Seeded sampling through `generate(do_sample=True, num_return_sequences=n)` (None without transformers)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        print("transformers is not installed: no baseline")
+        return None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = model.to(device=device, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: every row runs to max_new_tokens
+
+    def generate(batch: list[list[int]], max_new_tokens: int) -> int:
+        ids = torch.tensor(batch, device=device)  # equal lengths: no padding
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 num_return_sequences=args.n, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * out.shape[0]
+
+    torch.manual_seed(args.seed)
+    generate(prompts[:1], 4)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    num_tokens = sum(generate(prompts[i : i + args.hf_batch_size], args.output_len)
+                     for i in range(0, len(prompts), args.hf_batch_size))
+    _sync(device)
+    seconds = time.perf_counter() - start
+    model.to("meta")  # the weights go now (the closure keeps the module alive until return)
+    _release(device)
+    return dict(output_tokens=num_tokens, seconds=seconds, tokens_per_s=num_tokens / seconds)
