@@ -74,6 +74,9 @@ class _Class:
     def __repr__(self) -> str:
         return self.name
 
+    def __call__(self, *args, **kwargs):
+        raise RefusedPickle(f"refused to call {self.name} (a payload may name it only as a tensor's class)")
+
 
 _TENSOR, _PARAMETER = _Class("torch.Tensor"), _Class("torch.nn.Parameter")
 _UNTYPED, _TYPED = _Class("torch.storage.UntypedStorage"), _Class("torch.storage.TypedStorage")
@@ -549,8 +552,8 @@ def _check_group_args(address, port, rank, world_size, name, backend, timeout_s)
         raise ValueError(f"master_port must be a port number, got {port!r}")
     if not _is_int(world_size) or world_size < 2:
         raise ValueError(f"world_size must be an int >= 2 (the trainer and the engine's ranks), got {world_size!r}")
-    if not _is_int(rank) or not 0 < rank < world_size:
-        raise ValueError(f"rank_offset + tp_rank must lie in [1, world_size) (rank 0 is the trainer), got {rank!r}")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, world_size), got {rank!r}")
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,128}", name):
         raise ValueError(f"group_name must be 1-128 letters, digits, '_', '.' or '-', got {name!r}")
     if backend not in (None, "nccl", "gloo"):
@@ -581,6 +584,8 @@ def init_weights_update_group(engine, master_address: str, master_port: int, ran
                               group_name: str, backend: str | None = None,
                               timeout: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
     """SGLang's `init_weights_update_group` for a one-device engine: join as rank `rank_offset`."""
+    if not _is_int(rank_offset) or rank_offset < 1:
+        raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer's broadcasting rank), got {rank_offset!r}")
     with _groups_lock:
         if group_name in _groups:
             raise ValueError(f"weights update group {group_name!r} exists already; destroy it first")
@@ -652,10 +657,15 @@ def destroy_update_group(group_name: str) -> bool:
         group = _groups.pop(group_name, None)
     if group is None:
         return False
+    destroy_group_handle(group)
+    return True
+
+
+def destroy_group_handle(group: UpdateGroup) -> None:
+    """End one group's communicator (NCCL: abort it; gloo: its sockets close with the object)."""
     abort = getattr(group.group, "abort", None)
     if group.backend == "nccl" and abort is not None:
         abort()
-    return True
 
 
 def destroy_weights_update_group(engine, group_name: str) -> None:

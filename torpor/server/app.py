@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from torpor.server import control, openai_api
+from torpor.server import control, openai_api, weights_api
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.config import ServerConfig
 from torpor.server.errors import install_error_handlers
@@ -46,6 +46,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(control.router)
+    app.include_router(weights_api.router)
 
     @app.get("/health")
     async def health() -> Response:

@@ -79,6 +79,8 @@ async def collective_rpc(body: RPCRequest, request: Request) -> dict:
     server: ServerState = request.app.state.server
     methods = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is_sleeping": _is_sleeping,
                "memory_usage": _memory_usage}
+    from torpor.server.weights_api import RPC_METHODS  # weights from a trainer (a cycle at import time)
+    methods.update(RPC_METHODS)
     method = methods.get(body.method)
     if method is None:
         raise APIError(400, f"unknown method {body.method!r}; this server supports {sorted(methods)}",
