@@ -62,7 +62,7 @@ def _run_trainer(code: str, *args: str) -> subprocess.Popen:
     """A trainer process. Its stderr goes to a file: torch's shared-memory manager (a daemon the trainer
     starts) inherits the trainer's pipes and would hold them open after the trainer exits."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    err = tempfile.TemporaryFile("w+")
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the trainer, in _finish)
     trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, text=True,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
     trainer.err_file = err
@@ -75,7 +75,9 @@ def _finish(trainer: subprocess.Popen, timeout: float = 300) -> tuple[int, str, 
     code = trainer.wait(timeout)
     out = _read_available(trainer.stdout)
     trainer.err_file.seek(0)
-    return code, out, trainer.err_file.read()
+    err = trainer.err_file.read()
+    trainer.err_file.close()
+    return code, out, err
 
 
 def _read_available(stream) -> str:
@@ -133,7 +135,7 @@ def test_shared_memory_names_and_sizes_are_checked():
 
     torch.multiprocessing.set_sharing_strategy("file_system")
     real = torch.zeros(4).untyped_storage()
-    manager, handle, size = real._share_filename_cpu_()
+    manager, handle, _ = real._share_filename_cpu_()
     for args, match in [((manager, b"/../../etc/passwd", 4), "not a torch shared-memory file"),
                         ((b"/tmp/x.sock", handle, 4), "torch_shm_manager"),
                         ((manager, handle, 1 << 30), r"holds \d+ bytes, the payload claims")]:
@@ -188,12 +190,12 @@ def test_in_process_llm_takes_another_process_shared_memory(tiny_model_path, new
 def test_checks_before_any_write_and_weights_asleep(tiny_model_path, new_weights_path, expected):
     llm = LLM(tiny_model_path, **ENGINE)
     named = list(iter_checkpoint(new_weights_path))
-    bad_shape = named[:-1] + [(named[-1][0], named[-1][1][:1])]
-    with pytest.raises(ValueError, match="nothing was written.*has shape"):
+    bad_shape = [*named[:-1], (named[-1][0], named[-1][1][:1])]
+    with pytest.raises(ValueError, match=r"nothing was written.*has shape"):
         llm.update_weights_from_tensor(bad_shape)
-    with pytest.raises(ValueError, match="unknown tensor 'model.layers.99.mlp.up_proj.weight'"):
-        llm.update_weights_from_tensor(named + [("model.layers.99.mlp.up_proj.weight", named[0][1])])
-    with pytest.raises(ValueError, match="dtype torch.int64"):
+    with pytest.raises(ValueError, match=r"unknown tensor 'model\.layers\.99\.mlp\.up_proj\.weight'"):
+        llm.update_weights_from_tensor([*named, ("model.layers.99.mlp.up_proj.weight", named[0][1])])
+    with pytest.raises(ValueError, match=r"dtype torch\.int64"):
         llm.update_weights_from_tensor([(named[0][0], named[0][1].long())])
     assert _answers(llm) == expected.old  # every refused update left the old weights serving
     llm.sleep(1)

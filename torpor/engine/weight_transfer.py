@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -91,7 +92,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     persistent ids, extension codes) can be refused too. `max_bytes` bounds the shared memory and CUDA
     memory the payload may map in total."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, data: bytes, max_bytes: int) -> None:
         super().__init__(io.BytesIO(data))
