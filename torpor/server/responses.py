@@ -61,9 +61,14 @@ class CompletionFormat(ResponseFormat):
         super().__init__(*args)
         self._text_offset = 0  # of the next token, across the chunks of a stream
 
+    return_token_ids = False  # vLLM's `return_token_ids`: the sampled ids too (set per request)
+
     def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool) -> dict:
-        return {"index": 0, "text": text, "finish_reason": finish_reason,
-                "logprobs": self._logprobs(token_ids, logprobs) if self.num_logprobs is not None else None}
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason,
+                  "logprobs": self._logprobs(token_ids, logprobs) if self.num_logprobs is not None else None}
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
         tokens, offsets = [], []
