@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import torch
 
+from torpor.rl.engine_process import EngineProcess
+
 ADMIN = "grpo-admin"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,48 +60,17 @@ def reward(token_ids: list[int]) -> float:
 
 
 # ---- the engine, a `torpor serve` process ---------------------------------------------------------------
-class Engine:
+class Engine(EngineProcess):
+    """The rollout engine: `torpor serve` on the same device, sampled over HTTP."""
+
     def __init__(self, model: str, args: argparse.Namespace) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        max_len = args.prompt_len + args.max_tokens + 8
-        command = [sys.executable, "-m", "torpor", "serve", model, "--port", str(port), "--device", args.device,
-                   "--dtype", args.dtype, "--admin-token", ADMIN, "--max-model-len", str(max_len),
-                   "--max-num-seqs", str(args.prompts * args.n), "--log-level", "warning"]
+        serve_args = ["--device", args.device, "--dtype", args.dtype,
+                      "--max-model-len", str(args.prompt_len + args.max_tokens + 8),
+                      "--max-num-seqs", str(args.prompts * args.n)]
         if args.device != "cpu":
-            command += ["--gpu-memory-utilization", "0.3"]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close(); not a pipe: nobody drains it)
-        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
-                                 headers={"Authorization": f"Bearer {ADMIN}"})
-        self.url = str(self.http.base_url)
-        self._wait_ready()
+            serve_args += ["--gpu-memory-utilization", "0.3"]
+        super().__init__(model, serve_args, ADMIN)
         self.use_n = True  # ask for n samples in one request; fall back to n requests if the server refuses
-
-    def _wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"torpor serve exited ({self.process.returncode}):\n{self.output()}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"torpor serve did not start in {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
-    def post(self, path: str, **kw) -> dict:
-        response = self.http.post(path, **kw)
-        if response.status_code != 200:
-            raise RuntimeError(f"POST {path}: {response.status_code} {response.text}")
-        return response.json()
 
     def samples(self, prompt: list[int], n: int, seed: int, max_tokens: int) -> list[tuple[list[int], list[float]]]:
         """n sampled completions of `prompt`: (token ids, the engine's logprob of each)."""
@@ -119,14 +86,6 @@ class Engine:
         with ThreadPoolExecutor(n) as pool:
             answers = list(pool.map(lambda i: self.post("/v1/completions", json={**body, "seed": seed + i}), range(n)))
         return [_sample(a["choices"][0]) for a in answers]
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
 
 
 def _sample(choice: dict) -> tuple[list[int], list[float]]:
