@@ -243,7 +243,7 @@ def _served(server) -> list:
 TRAINER_HTTP = """
     from torpor.engine.loader import iter_checkpoint
     from torpor.rl import WeightPusher
-    pusher = WeightPusher({url!r}, {admin!r}, bucket_bytes=1 << 20)
+    pusher = WeightPusher({url!r}, {admin!r}, bucket_bytes=200_000, buckets_per_request=2)  # 4 buckets, 2 requests
     print(pusher.push(iter_checkpoint({path!r})), flush=True)
 """
 

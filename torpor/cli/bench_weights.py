@@ -90,6 +90,10 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         before = _greedy(engine)
         pusher.push(tensors)  # warm-up (first IPC opens, code paths)
         pushes = [pusher.push(tensors) for _ in range(args.repeat)]
+        one_request = WeightPusher(engine.url, engine.admin_token, bucket_bytes=args.bucket_mb << 20,
+                                   buckets_per_request=1 << 20)  # every bucket in one request (torpor's extension)
+        one_request.push(tensors)
+        single = [one_request.push(tensors).seconds for _ in range(args.repeat)]
         same = _greedy(engine) == before  # the same weights pushed back: the same answers
         steps = []
         for _ in range(args.repeat):
@@ -102,10 +106,12 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         after_cycle = _greedy(engine) == before
         reloads = [engine.timed("/reload_weights") for _ in range(min(2, args.repeat))]
         pusher.close()
+        one_request.close()
     push_s = _median([p.seconds for p in pushes])
     result = {"push_s": push_s, "push_gbps": pushes[0].bytes / push_s / GB, "buckets": pushes[0].buckets,
               "rl_step": {k: _median([s[k] for s in steps]) for k in steps[0]},
-              "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle}
+              "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle,
+              "push_one_request_s": _median(single)}
     print(f"serve push: {push_s:.4f} s ({result['push_gbps']:.1f} GB/s, {pushes[0].buckets} buckets); "
           f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
@@ -226,6 +232,8 @@ def print_summary(results: dict) -> None:
     print(f"\n== weights: {gib:.2f} GiB, {results['device']} ==")
     print(f"push (update_weights_from_tensor, trainer process) {serve['push_s']:.4f} s  {serve['push_gbps']:.1f} GB/s"
           f"  (goal ≤ 0.1 s for qwen3-8b)")
+    print(f"push, every bucket in one request {serve['push_one_request_s']:.4f} s  "
+          f"{results['bytes'] / serve['push_one_request_s'] / GB:.1f} GB/s")
     step = serve["rl_step"]
     print(f"RL step: sleep L2 {step['sleep']:.3f} + wake weights {step['wake_weights']:.3f} + push {step['push']:.3f} "
           f"+ wake kv {step['wake_kv']:.3f} = {step['total']:.3f} s  (goal ≤ 0.6 s)")

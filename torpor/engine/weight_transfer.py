@@ -269,7 +269,8 @@ def unpickle_payload(serialized: str, max_bytes: int):
 def named_tensors_of(payload, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
     """A decoded payload -> `[(name, tensor), ...]`: a list of pairs (load_format None), or a flattened
     bucket {"flattened_tensor": 1-D tensor, "metadata": [(name, shape, dtype, start, end), ...]} whose
-    start / end count elements of the flattened tensor (bytes for a uint8 bucket of mixed dtypes)."""
+    start / end count elements of the flattened tensor (bytes for a uint8 bucket of mixed dtypes), or
+    (torpor's extension) a list of such buckets: a whole model in one request."""
     if load_format is None:
         if isinstance(payload, dict):
             raise ValueError("the payload is a flattened bucket (a dict): send load_format 'flattened_bucket'")
@@ -284,6 +285,8 @@ def named_tensors_of(payload, load_format: str | None) -> list[tuple[str, torch.
         return pairs
     if load_format != "flattened_bucket":
         raise ValueError(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
+    if isinstance(payload, list | tuple):  # torpor's extension: several buckets in one payload (one request)
+        return [pair for bucket in payload for pair in _unflatten(bucket)]
     return _unflatten(payload)
 
 
@@ -431,6 +434,7 @@ class WeightReceiver:
                 if not self.missing:
                     self.missing = None
                     engine._weights_restored()  # every tensor came: the weights are valid, serve again
+            _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
         finally:
             release_transfer_memory(named_tensors)
         if flush_cache and (mode is None or not mode.weights_discarded):
@@ -438,6 +442,11 @@ class WeightReceiver:
             if reset is not None:
                 reset()
         return count
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _is_ignored(engine, name: str) -> bool:
@@ -617,6 +626,7 @@ def receive_named_tensors(group_name: str, names: Sequence[str], dtypes: Sequenc
                                       f"({len(received)} of {len(specs)} received; nothing was written, the "
                                       f"previous weights stay; the group is destroyed): {e}") from None
         received.append((name, tensor))
+    _synchronize(group.device)  # the broadcasts ran on the group's stream; the copies run on the engine's
     return received
 
 
