@@ -142,6 +142,8 @@ def device_memory_by_process(pids: dict[str, int]) -> str:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 used[p.pid] = used.get(p.pid, 0) + (p.usedGpuMemory or 0)
+        if not set(pids.values()) & set(used):  # another PID namespace (a container): show every process
+            return "processes " + ", ".join(f"pid {pid} {b / 2**20:.0f} MiB" for pid, b in sorted(used.items()))
         return ", ".join(f"{name} {used.get(pid, 0) / 2**20:.0f} MiB" for name, pid in pids.items())
     except Exception as e:  # no NVML (CPU), or no permission
         return f"n/a ({type(e).__name__})"
