@@ -341,3 +341,55 @@ def test_unpickler_payload_limits():
     ForkingPickler(buffer).dump([("x", t)])
     with pytest.raises(RefusedPickle, match="maps more than 100 bytes"):
         RestrictedUnpickler(buffer.getvalue(), max_bytes=100).load()
+
+
+# ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
+TP_TRAINER = """
+    import sys, torch
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weight_transfer import broadcast, open_update_group
+    from torpor.rl import serialize
+    named = list(iter_checkpoint(sys.argv[1]))
+    print(serialize(named), flush=True)  # the shared-memory payload, for the by-reference path
+    group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 3, "tp", "gloo", torch.device("cpu"), 60,
+                              is_master=True)
+    sys.stdin.readline()  # the engine asks for the tensors
+    for _, t in named:
+        broadcast(group, t)
+    print("sent", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weights_path, expected):
+    import threading
+
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, **ENGINE)
+    port = _free_port()
+    trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port))
+    try:
+        payload = trainer.stdout.readline().strip()
+        assert payload, _finish(trainer)
+        # by reference: rank 0 opens the shared memory, every rank keeps its shard
+        assert llm.update_weights_from_tensor(serialized_named_tensors=[payload, payload]) > 0
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
+        llm.update_weights(iter_checkpoint(tiny_model_path))  # back to the old weights
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
+        # by process group: ranks 1 and 2 of 3 are this engine's two ranks
+        llm.init_weights_update_group("127.0.0.1", port, 1, 3, "tp", "gloo", timeout=60)
+        named = list(iter_checkpoint(new_weights_path))
+        result = {}
+        receive = threading.Thread(target=lambda: result.setdefault("count", llm.update_weights_from_distributed(
+            [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named], "tp")))
+        receive.start()
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        receive.join(120)
+        assert trainer.stdout.readline().strip() == "sent"
+        assert result.get("count", 0) > 0
+        llm.destroy_weights_update_group("tp")
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
+    finally:
+        llm.close()
+        _finish(trainer)

@@ -420,24 +420,36 @@ class WeightReceiver:
     def apply(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> int:
         """Copy checked tensors into the model through the engine's `update_weights` path. After a level-2
         sleep, the engine serves again once every checkpoint tensor came (over any number of calls)."""
-        self.check_weights_awake("update weights")
         self.manifest.check(named_tensors)
-        engine, mode = self.engine, self.engine.sleep_mode
+        names = [name for name, _ in named_tensors]
+        runner = self.engine.model_runner
         try:
-            if mode is None or not mode.weights_discarded:
-                count = engine.update_weights(named_tensors)
-            else:
-                if self.missing is None:
-                    self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
-                count = engine.model_runner.update_weights(named_tensors, strict=False)
-                self.missing -= {name for name, _ in named_tensors}
-                if not self.missing:
-                    self.missing = None
-                    engine._weights_restored()  # every tensor came: the weights are valid, serve again
-            _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
+            if self.discarded:
+                return self.commit(names, lambda: runner.update_weights(named_tensors, strict=False), flush_cache)
+            return self.commit(names, lambda: self.engine.update_weights(named_tensors), flush_cache)
         finally:
             release_transfer_memory(named_tensors)
-        if flush_cache and (mode is None or not mode.weights_discarded):
+
+    @property
+    def discarded(self) -> bool:
+        mode = self.engine.sleep_mode
+        return mode is not None and mode.weights_discarded
+
+    def commit(self, names: list[str], copy, flush_cache: bool) -> int:
+        """Run `copy()` (checked tensors into the weights, on every rank; returns a count), then account for
+        them: after a level-2 sleep the weights are valid once every checkpoint tensor came."""
+        self.check_weights_awake("update weights")
+        engine, discarded = self.engine, self.discarded
+        if discarded and self.missing is None:
+            self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
+        count = copy()
+        _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
+        if discarded:
+            self.missing -= set(names)
+            if not self.missing:
+                self.missing = None
+                engine._weights_restored()  # every tensor came: the weights are valid, serve again
+        if flush_cache and not self.discarded:
             reset = getattr(engine, "reset_prefix_cache", None)
             if reset is not None:
                 reset()
@@ -593,28 +605,23 @@ def broadcast(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
 def init_weights_update_group(engine, master_address: str, master_port: int, rank_offset: int, world_size: int,
                               group_name: str, backend: str | None = None,
                               timeout: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
-    """SGLang's `init_weights_update_group` for a one-device engine: join as rank `rank_offset`."""
+    """SGLang's `init_weights_update_group`: every engine rank joins as `rank_offset + tp_rank`."""
     if not _is_int(rank_offset) or rank_offset < 1:
         raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer's broadcasting rank), got {rank_offset!r}")
-    with _groups_lock:
-        if group_name in _groups:
-            raise ValueError(f"weights update group {group_name!r} exists already; destroy it first")
-    device = engine.model_runner.device
-    group = open_update_group(master_address, master_port, rank_offset, world_size, group_name, backend, device,
-                              timeout)
-    with _groups_lock:
-        _groups[group_name] = group
+    args = (master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+    if engine.config.tensor_parallel_size == 1:
+        rank_command(engine.model_runner, "init", *args)
+    else:
+        engine.model_runner.weights_group("init", *args)
 
 
-def receive_named_tensors(group_name: str, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
-                          manifest: Manifest | None = None) -> list[tuple[str, torch.Tensor]]:
+def receive_named_tensors(group_name: str, names: Sequence[str], dtypes: Sequence,
+                          shapes: Sequence) -> list[tuple[str, torch.Tensor]]:
     """The trainer's broadcasts of `names` (in order) into fresh tensors on this rank's device. All
     checked before anything is received; a broadcast that fails (trainer gone, timeout) destroys the group
     and raises WeightTransferError. Nothing is written to the model here."""
     group = _group(group_name)
     specs = _specs(names, dtypes, shapes)
-    if manifest is not None:
-        manifest.check([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs])
     received = []
     for name, dtype, shape in specs:
         tensor = torch.empty(shape, dtype=dtype, device=group.device)
@@ -654,12 +661,72 @@ def _group(group_name: str) -> UpdateGroup:
 
 def update_weights_from_distributed(engine, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
                                     group_name: str, flush_cache: bool = True) -> int:
-    """SGLang's `update_weights_from_distributed`: receive the trainer's broadcasts, then (all of them in
-    hand) check and copy them as one bucket. Returns how many tensors were loaded."""
+    """SGLang's `update_weights_from_distributed`: every rank receives the trainer's broadcasts into fresh
+    tensors; only once every rank has all of them are they copied (each rank keeps its shard). A failed
+    receive on any rank drops what every rank received: nothing is written. Returns the tensors loaded."""
     receiver = receiver_of(engine)
     receiver.check_weights_awake("update_weights_from_distributed")
-    pairs = receive_named_tensors(group_name, names, dtypes, shapes, receiver.manifest)
-    return receiver.apply(pairs, flush_cache)
+    specs = _specs(names, dtypes, shapes)
+    receiver.manifest.check([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs])
+    names = [n for n, _, _ in specs]
+    if engine.config.tensor_parallel_size == 1:
+        pairs = receive_named_tensors(group_name, names, dtypes, shapes)
+        return receiver.apply(pairs, flush_cache)
+    runner = engine.model_runner
+    try:
+        runner.weights_group("receive", group_name, names, dtypes, shapes)
+    except BaseException:
+        runner.weights_group("drop", group_name)
+        raise
+    return receiver.commit(names, lambda: runner.weights_group("apply", group_name), flush_cache)
+
+
+def destroy_weights_update_group(engine, group_name: str) -> None:
+    """SGLang's `destroy_weights_update_group` (every rank leaves)."""
+    if engine.config.tensor_parallel_size == 1:
+        rank_command(engine.model_runner, "destroy", group_name)
+    else:
+        engine.model_runner.weights_group("destroy", group_name)
+
+
+# ---- one rank's part (rank 0 here; a tensor-parallel worker through its "weights_group" command) -----
+_staged: dict[str, list[tuple[str, torch.Tensor]]] = {}  # received, not yet copied (this rank)
+
+
+def rank_command(runner, op: str, *args):
+    """One rank's part of a group operation: init, receive, apply, drop, destroy."""
+    from torpor.engine.distributed import tp_rank
+
+    if op == "init":
+        address, port, rank_offset, world_size, group_name, backend, timeout = args
+        with _groups_lock:
+            if group_name in _groups:
+                raise ValueError(f"weights update group {group_name!r} exists already; destroy it first")
+        group = open_update_group(address, port, rank_offset + tp_rank(), world_size, group_name, backend,
+                                  runner.device, timeout)
+        with _groups_lock:
+            _groups[group_name] = group
+        return None
+    if op == "receive":
+        group_name, names, dtypes, shapes = args
+        _staged[group_name] = receive_named_tensors(group_name, names, dtypes, shapes)
+        return len(_staged[group_name])
+    if op == "apply":
+        (group_name,) = args
+        tensors = _staged.pop(group_name)
+        try:
+            return runner.update_weights(tensors, strict=False)
+        finally:
+            tensors.clear()
+    if op == "drop":
+        _staged.pop(args[0], None)
+        return None
+    if op == "destroy":
+        _staged.pop(args[0], None)
+        if not destroy_update_group(args[0]):
+            raise ValueError(f"no weights update group {args[0]!r}")
+        return None
+    raise ValueError(f"unknown weights group operation {op!r}")
 
 
 def destroy_update_group(group_name: str) -> bool:
@@ -677,9 +744,3 @@ def destroy_group_handle(group: UpdateGroup) -> None:
     abort = getattr(group.group, "abort", None)
     if group.backend == "nccl" and abort is not None:
         abort()
-
-
-def destroy_weights_update_group(engine, group_name: str) -> None:
-    """SGLang's `destroy_weights_update_group`."""
-    if not destroy_update_group(group_name):
-        raise ValueError(f"no weights update group {group_name!r}")
