@@ -238,7 +238,9 @@ def _check_cuda_range(tensor: torch.Tensor, storage_bytes: int) -> None:
         return
     ptr = tensor.untyped_storage().data_ptr()
     err, base, size = driver.cuMemGetAddressRange(ptr)
-    if err != driver.CUresult.CUDA_SUCCESS or ptr + storage_bytes > int(base) + int(size):
+    if err != driver.CUresult.CUDA_SUCCESS:  # the driver cannot say: nothing to check against
+        return
+    if ptr + storage_bytes > int(base) + int(size):
         raise RefusedPickle(f"the CUDA IPC allocation is smaller than the {storage_bytes} bytes the payload claims")
 
 
@@ -534,6 +536,8 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
 
     _check_group_args(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
     backend = _backend_for(backend, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's device: NCCL's communicator and streams live there
     timeout = timedelta(seconds=timeout_s)
     try:
         store = dist.TCPStore(master_address, master_port, world_size, is_master, timeout=timeout,
