@@ -123,6 +123,30 @@ def test_allowed_classes_cannot_be_called_and_object_opcodes_are_refused():
         RestrictedUnpickler(b"\x80\x02ccollections\nOrderedDict\n)R}b.", 1 << 20).load()
 
 
+def test_sglang_bucket_metadata_dataclass_is_accepted(monkeypatch):
+    """SGLang's trainers pickle `FlattenedTensorMetadata` dataclass instances (NEWOBJ + BUILD)."""
+    import dataclasses
+    import types
+
+    module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    fields = [("name", str), ("shape", torch.Size), ("dtype", torch.dtype), ("start_idx", int), ("end_idx", int),
+              ("numel", int)]
+    meta_cls = dataclasses.make_dataclass("FlattenedTensorMetadata", fields)
+    meta_cls.__module__ = module.__name__
+    module.FlattenedTensorMetadata = meta_cls
+    for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):
+        monkeypatch.setitem(sys.modules, parent, sys.modules.get(parent) or types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    a, b = torch.randn(2, 3), torch.randn(4)
+    bucket = {"flattened_tensor": torch.cat([a.flatten(), b]),
+              "metadata": [meta_cls("a", a.shape, a.dtype, 0, 6, 6), meta_cls("b", b.shape, b.dtype, 6, 10, 4)]}
+    pairs = named_tensors_of(unpickle_payload(serialize(bucket), 1 << 20), "flattened_bucket")
+    assert [n for n, _ in pairs] == ["a", "b"] and torch.equal(pairs[0][1], a) and torch.equal(pairs[1][1], b)
+    forged = pickle.dumps(meta_cls("a", a.shape, a.dtype, 0, 6, 6)).replace(b"numel", b"evil_")
+    with pytest.raises(RefusedPickle, match="object-building opcode"):
+        RestrictedUnpickler(forged, 1 << 20).load()
+
+
 def test_shared_memory_names_and_sizes_are_checked():
     from torch.multiprocessing import reductions
 

@@ -79,6 +79,14 @@ class _Class:
         raise RefusedPickle(f"refused to call {self.name} (a payload may name it only as a tensor's class)")
 
 
+class SGLangBucketMetadata:
+    """Stands in for SGLang's `FlattenedTensorMetadata` dataclass (what its trainers pickle into flattened
+    buckets): built empty by NEWOBJ, its fields set by BUILD, nothing else allowed."""
+
+    FIELDS = frozenset({"name", "shape", "dtype", "start_idx", "end_idx", "numel"})
+
+
+_SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 _TENSOR, _PARAMETER = _Class("torch.Tensor"), _Class("torch.nn.Parameter")
 _UNTYPED, _TYPED = _Class("torch.storage.UntypedStorage"), _Class("torch.storage.TypedStorage")
 _SHM_HANDLE = re.compile(r"/torch_\d+_\d+_\d+")
@@ -118,16 +126,37 @@ class RestrictedUnpickler(pickle._Unpickler):
             ("torch.storage", "UntypedStorage"): _UNTYPED, ("torch.storage", "TypedStorage"): _TYPED,
             ("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
             ("collections", "OrderedDict"): OrderedDict,
+            _SGLANG_METADATA: SGLangBucketMetadata,
             **{("torch", name): dtype for name, dtype in _DTYPES.items()},
         }
 
     def _refuse_opcode(self, *_) -> None:
         raise RefusedPickle("refused to unpickle an object-building opcode (BUILD/INST/OBJ/NEWOBJ/persistent id)")
 
-    for _op in (pickle.BUILD, pickle.INST, pickle.OBJ, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.PERSID,
-                pickle.BINPERSID, pickle.EXT1, pickle.EXT2, pickle.EXT4):
+    for _op in (pickle.INST, pickle.OBJ, pickle.NEWOBJ_EX, pickle.PERSID, pickle.BINPERSID, pickle.EXT1,
+                pickle.EXT2, pickle.EXT4):
         dispatch[_op[0]] = _refuse_opcode
     del _op
+
+    def _load_newobj(self) -> None:
+        """NEWOBJ only for SGLang's bucket metadata (a dataclass pickles as cls.__new__(cls) + BUILD)."""
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if cls is not SGLangBucketMetadata or args != ():
+            self._refuse_opcode()
+        self.append(SGLangBucketMetadata())
+
+    def _load_build(self) -> None:
+        """BUILD only to fill SGLang's bucket metadata with its own fields."""
+        state = self.stack.pop()
+        target = self.stack[-1]
+        if not isinstance(target, SGLangBucketMetadata) or not isinstance(state, dict) \
+                or not set(state) <= SGLangBucketMetadata.FIELDS:
+            self._refuse_opcode()
+        target.__dict__.update(state)
+
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def _count(self, nbytes: int) -> None:
         self.mapped_bytes += nbytes
@@ -317,6 +346,8 @@ def _unflatten(bucket) -> list[tuple[str, torch.Tensor]]:
 
 
 def _metadata_entry(entry, index: int) -> tuple[str, tuple[int, ...], torch.dtype, int, int]:
+    if isinstance(entry, SGLangBucketMetadata):
+        entry = vars(entry)
     if isinstance(entry, dict):
         entry = (entry.get("name"), entry.get("shape"), entry.get("dtype"), entry.get("start", entry.get("start_idx")),
                  entry.get("end", entry.get("end_idx")))
