@@ -171,11 +171,14 @@ def test_flattened_bucket_round_trip_and_bad_metadata():
     tensors = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.randn(2, 2))]
     buckets = list(bucket_named_tensors(tensors, bucket_bytes=60))
     assert [len(b.metadata) for b in buckets] == [2, 1]  # a + b: 48 + 10 bytes; c: 16 more would pass 60
+    assert buckets[0].metadata[1][3] == 48 and buckets[0].nbytes == 64  # b starts aligned; padded to 16 bytes
     decoded = [p for b in buckets for p in named_tensors_of(unpickle_payload(serialize(b.payload()), 1 << 20),
                                                             "flattened_bucket")]
     assert [n for n, _ in decoded] == ["a", "b", "c"]
     for (_, want), (_, got) in zip(tensors, decoded, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+    (odd_then_fp32,) = bucket_named_tensors([tensors[1], tensors[2]])  # fp32 after 10 bytes of bf16: aligned
+    assert torch.equal(named_tensors_of(odd_then_fp32.payload(), "flattened_bucket")[1][1], tensors[2][1])
     bad = {"flattened_tensor": torch.zeros(8, dtype=torch.uint8), "metadata": [("a", [3], torch.float32, 0, 8)]}
     with pytest.raises(ValueError, match="needs 12"):
         named_tensors_of(bad, "flattened_bucket")

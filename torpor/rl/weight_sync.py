@@ -77,6 +77,9 @@ def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
         yield _flatten(pending)
 
 
+ALIGN = 16  # every tensor starts 16-byte aligned in its bucket (a dtype view needs an aligned offset)
+
+
 def _flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
     metadata, parts, offset = [], [], 0
     for name, tensor in named:
@@ -84,6 +87,10 @@ def _flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
         metadata.append((name, list(tensor.shape), tensor.dtype, offset, offset + data.numel()))
         parts.append(data)
         offset += data.numel()
+        padding = -offset % ALIGN
+        if padding:
+            parts.append(torch.zeros(padding, dtype=torch.uint8, device=data.device))
+            offset += padding
     return Bucket(torch.cat(parts), metadata)
 
 
