@@ -184,9 +184,10 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             engine.post("/sleep", params={"level": 2})
             sleep_s = time.perf_counter() - t
+            diffs, train_s = grpo_step(trainer, optimizer, groups, args, device)
+            # after the step: the trainer's cached memory holds its peak; the engine is still asleep
             memory = device_memory_by_process({"trainer": os.getpid(), "engine (asleep)": engine.process.pid}) \
                 if device.type == "cuda" else None
-            diffs, train_s = grpo_step(trainer, optimizer, groups, args, device)
             all_diffs += diffs
 
             t = time.perf_counter()
