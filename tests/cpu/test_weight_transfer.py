@@ -420,3 +420,29 @@ def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weigh
     finally:
         llm.close()
         _finish(trainer)
+
+
+DYING_TRAINER = """
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.rl import serialize
+    print(serialize(list(iter_checkpoint({path!r}))), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_payload_whose_memory_is_gone_is_a_clear_error(tiny_model_path, new_weights_path, expected):
+    """The trainer exited and its shared memory was removed before the engine opened it."""
+    import glob
+
+    llm = LLM(tiny_model_path, **ENGINE)
+    trainer = _run_trainer(DYING_TRAINER.format(path=new_weights_path))
+    payload = trainer.stdout.readline().strip()
+    code, _, err = _finish(trainer)
+    assert code == 0 and payload, err
+    files = glob.glob(f"/dev/shm/torch_{trainer.pid}_*")
+    assert files  # the pickler keeps them for the receiver, even after the trainer exits
+    for file in files:
+        os.unlink(file)
+    with pytest.raises(ValueError, match=r"does not exist \(the trainer freed it, or died\)"):
+        llm.update_weights_from_tensor(serialized_named_tensors=[payload])
+    assert _answers(llm) == expected.old
