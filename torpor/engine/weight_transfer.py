@@ -290,7 +290,10 @@ def unpickle_payload(serialized: str, max_bytes: int):
         raise
     except ValueError:
         raise
-    except (pickle.UnpicklingError, EOFError, TypeError, IndexError, KeyError, AttributeError, RuntimeError,
+    except RuntimeError as e:  # torch could not map a tensor (an IPC handle or a file of a process now gone)
+        raise ValueError(f"could not open the payload's tensors ({e}); the trainer may have freed them or died, "
+                         "and must keep them alive until the engine answers") from None
+    except (pickle.UnpicklingError, EOFError, TypeError, IndexError, KeyError, AttributeError,
             OverflowError) as e:
         raise ValueError(f"a serialized_named_tensors entry is not a valid tensor pickle: {type(e).__name__}: "
                          f"{e}") from None
