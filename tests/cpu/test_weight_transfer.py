@@ -260,10 +260,11 @@ def _served(server) -> list:
     out = []
     for prompt in PROMPTS:
         r = server.admin.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
-                                                      "temperature": 0, "ignore_eos": True, "logprobs": 0})
+                                                      "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                                      "return_token_ids": True})
         assert r.status_code == 200, r.text
-        lp = r.json()["choices"][0]["logprobs"]
-        out.append([round(x, 5) for x in lp["token_logprobs"]])
+        choice = r.json()["choices"][0]
+        out.append((choice["token_ids"], [round(x, 5) for x in choice["logprobs"]["token_logprobs"]]))
     return out
 
 
@@ -278,7 +279,7 @@ TRAINER_HTTP = """
 @pytest.mark.slow
 def test_http_rl_cycle_from_a_trainer_process(server, tiny_model_path, new_weights_path, expected):
     old = _served(server)
-    assert old == [lp for _, lp in expected.old]
+    assert old == expected.old
     r = server.admin.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["AAAA"]})
     assert r.status_code == 400 and "pickle" in r.json()["error"]["message"]
     evil = base64.b64encode(pickle.dumps([("x", _Evil(os.system, "true"))])).decode()
@@ -293,7 +294,7 @@ def test_http_rl_cycle_from_a_trainer_process(server, tiny_model_path, new_weigh
     assert code == 0, err
     assert "GB/s" in out
     assert server.admin.post("/wake_up", params={"tags": "kv_cache"}).json()["serving"]
-    assert _served(server) == [lp for _, lp in expected.new]
+    assert _served(server) == expected.new
     pusher = WeightPusher(server.url, ADMIN)  # back to the old weights, for the next tests
     pusher.push(iter_checkpoint(tiny_model_path))
     rpc = server.admin.post("/collective_rpc", json={"method": "update_weights_from_tensor", "kwargs": {
@@ -336,7 +337,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_process_group_push_and_failures(server, tiny_model_path, new_weights_path, expected):
-    old = [lp for _, lp in expected.old]
+    old = expected.old
     # a group that never forms: nobody hosts the store
     r = server.admin.post("/init_weights_update_group", json={
         "master_address": "127.0.0.1", "master_port": _free_port(), "rank_offset": 1, "world_size": 2,
@@ -356,7 +357,7 @@ def test_process_group_push_and_failures(server, tiny_model_path, new_weights_pa
                            str(_free_port()))
     code, out, err = _finish(trainer)
     assert code == 0, err
-    assert _served(server) == [lp for _, lp in expected.new]
+    assert _served(server) == expected.new
     WeightPusher(server.url, ADMIN).push(iter_checkpoint(tiny_model_path))
     assert _served(server) == old
 
