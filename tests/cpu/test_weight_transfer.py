@@ -246,6 +246,25 @@ def test_level_2_push_in_buckets_serves_once_complete(tiny_model_path, new_weigh
     assert _answers(llm) == expected.new
 
 
+def test_a_second_level_2_sleep_mid_push_starts_the_count_over(tiny_model_path, new_weights_path, expected):
+    llm = LLM(tiny_model_path, **ENGINE)
+    named = list(iter_checkpoint(new_weights_path))
+    first, second = named[: len(named) // 2], named[len(named) // 2:]
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.update_weights_from_tensor(first)
+    llm.wake_up()
+    assert llm.engine.sleep_mode.weights_discarded  # half a model: not serving
+    llm.sleep(2)  # discards the first half again
+    llm.wake_up(["weights"])
+    llm.update_weights_from_tensor(second)
+    assert llm.engine.sleep_mode.weights_discarded, "the first half was counted although discarded again"
+    llm.update_weights_from_tensor(first)
+    assert not llm.engine.sleep_mode.weights_discarded
+    llm.wake_up()
+    assert _answers(llm) == expected.new
+
+
 # ---- over HTTP -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_model_path):

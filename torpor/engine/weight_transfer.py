@@ -434,6 +434,9 @@ class WeightReceiver:
         self.engine = engine
         self.manifest = Manifest.of_checkpoint(engine.config.model)
         self.missing: set[str] | None = None  # None: the weights are valid (not discarded)
+        # A parameter this receiver wrote non-zero while `missing` was counted down: zero again means another
+        # level-2 sleep discarded the weights meanwhile (they wake zero-filled), so the count starts over.
+        self.sentinel: torch.Tensor | None = None
 
     def check_weights_awake(self, what: str) -> None:
         memory = self.engine.memory
@@ -476,14 +479,15 @@ class WeightReceiver:
         them: after a level-2 sleep the weights are valid once every checkpoint tensor came."""
         self.check_weights_awake("update weights")
         engine, discarded = self.engine, self.discarded
-        if discarded and self.missing is None:
+        if discarded and (self.missing is None or self._discarded_again()):
             self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
         count = copy()
         _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
         if discarded:
             self.missing -= set(names)
+            self.sentinel = self._pick_sentinel(names)
             if not self.missing:
-                self.missing = None
+                self.missing = self.sentinel = None
                 engine._weights_restored()  # every tensor came: the weights are valid, serve again
         if flush_cache and not self.discarded:
             reset = getattr(engine, "reset_prefix_cache", None)
@@ -492,14 +496,33 @@ class WeightReceiver:
         return count
 
 
+    def _discarded_again(self) -> bool:
+        return self.sentinel is not None and not bool(self.sentinel.any())
+
+    def _pick_sentinel(self, names: list[str]) -> torch.Tensor | None:
+        """A non-zero parameter (not a fused one) among those just written, or the one kept so far."""
+        if self.sentinel is not None and bool(self.sentinel.any()):
+            return self.sentinel
+        params = dict(_model(self.engine).named_parameters())
+        for name in names:
+            param = params.get(name)
+            if param is not None and bool(param.detach().any()):
+                return param.detach()
+        return None
+
+
+def _model(engine):
+    runner = engine.model_runner
+    return runner.model if hasattr(runner, "model") else runner.local.model
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _is_ignored(engine, name: str) -> bool:
-    model = getattr(engine.model_runner, "model", None) or getattr(engine.model_runner.local, "model", None)
-    return bool(getattr(model, "is_ignored_weight", lambda n: False)(name))
+    return bool(getattr(_model(engine), "is_ignored_weight", lambda n: False)(name))
 
 
 def _describe(value) -> str:
