@@ -284,8 +284,9 @@ def unpickle_payload(serialized: str, max_bytes: int):
         data = base64.b64decode(serialized, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("a serialized_named_tensors entry is not valid base64") from None
+    unpickler = RestrictedUnpickler(data, max_bytes)
     try:
-        return RestrictedUnpickler(data, max_bytes).load()
+        return unpickler.load()
     except RefusedPickle:
         raise
     except ValueError:
@@ -297,6 +298,9 @@ def unpickle_payload(serialized: str, max_bytes: int):
             OverflowError) as e:
         raise ValueError(f"a serialized_named_tensors entry is not a valid tensor pickle: {type(e).__name__}: "
                          f"{e}") from None
+    finally:
+        unpickler.memo.clear()  # no reference to the trainer's memory may outlive the copy
+        getattr(unpickler, "stack", []).clear()
 
 
 # ---- payload shapes ----------------------------------------------------------------------------------
