@@ -499,7 +499,6 @@ class WeightReceiver:
                 reset()
         return count
 
-
     def _discarded_again(self) -> bool:
         return self.sentinel is not None and not bool(self.sentinel.any())
 
