@@ -23,6 +23,7 @@ from torpor.engine import LLM, SamplingParams
 from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import iter_checkpoint
 from torpor.engine.weight_transfer import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
+from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.server import ServerConfig, build_app
 
@@ -397,7 +398,8 @@ TP_TRAINER = """
     from torpor.engine.weight_transfer import broadcast, open_update_group
     from torpor.rl import serialize
     named = list(iter_checkpoint(sys.argv[1]))
-    print(serialize(named), flush=True)  # the shared-memory payload, for the by-reference path
+    for _ in range(4):  # shared-memory payloads: each pickle is opened once (by one rank)
+        print(serialize(named), flush=True)
     group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 3, "tp", "gloo", torch.device("cpu"), 60,
                               is_master=True)
     sys.stdin.readline()  # the engine asks for the tensors
@@ -416,12 +418,20 @@ def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weigh
     port = _free_port()
     trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port))
     try:
-        payload = trainer.stdout.readline().strip()
-        assert payload, _finish(trainer)
-        # by reference: rank 0 opens the shared memory, every rank keeps its shard
-        assert llm.update_weights_from_tensor(serialized_named_tensors=[payload, payload]) > 0
+        payloads = [trainer.stdout.readline().strip() for _ in range(4)]
+        assert all(payloads), _finish(trainer)
+        # by reference, one payload: rank 0 opens it and streams it to the other rank
+        assert llm.update_weights_from_tensor(serialized_named_tensors=[payloads[0]]) > 0
         assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
         llm.update_weights(iter_checkpoint(tiny_model_path))  # back to the old weights
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
+        # one payload per rank: each rank opens its own and keeps its shard; a bad one on rank 1 writes nothing
+        with pytest.raises(RankError, match="not valid base64"):
+            llm.update_weights_from_tensor(serialized_named_tensors=[payloads[1], "%%%"])
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
+        assert llm.update_weights_from_tensor(serialized_named_tensors=payloads[2:]) > 0
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
+        llm.update_weights(iter_checkpoint(tiny_model_path))
         assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
         # by process group: ranks 1 and 2 of 3 are this engine's two ranks
         llm.init_weights_update_group("127.0.0.1", port, 1, 3, "tp", "gloo", timeout=60)

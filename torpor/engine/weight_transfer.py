@@ -449,9 +449,9 @@ class WeightReceiver:
                                "(POST /wake_up?tags=weights, or wake_up(['weights']))")
 
     def decode(self, serialized: Sequence[str], load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-        """SGLang's `serialized_named_tensors` (one entry per tensor-parallel rank) -> named tensors, checked.
-        Every rank receives the full tensors and keeps its shard, so rank 0's entry is the one decoded; the
-        others must be there (one per rank) but are not opened."""
+        """One base64 payload (`serialized_named_tensors` of one entry) -> named tensors, checked. Rank 0 opens
+        it; under tensor parallelism the engine streams the full tensors to the other ranks (one entry per
+        rank goes through `_per_rank_update` instead)."""
         tp = self.engine.config.tensor_parallel_size
         if not isinstance(serialized, list | tuple) or len(serialized) not in (1, tp):
             raise ValueError(f"serialized_named_tensors must be a list of 1 or tensor_parallel_size ({tp}) "
@@ -563,11 +563,30 @@ def update_weights_from_tensor(engine, serialized_named_tensors: Sequence[str] |
         raise ValueError("give exactly one of serialized_named_tensors and named_tensors")
     if not isinstance(flush_cache, bool):
         raise ValueError(f"flush_cache must be true or false, got {flush_cache!r}")
+    tp = engine.config.tensor_parallel_size
     if named_tensors is not None:
         pairs = named_tensors_of(named_tensors if load_format else list(named_tensors), load_format)
+    elif tp > 1 and isinstance(serialized_named_tensors, list | tuple) and len(serialized_named_tensors) == tp:
+        return _per_rank_update(engine, receiver, list(serialized_named_tensors), load_format, flush_cache)
     else:
         pairs = receiver.decode(serialized_named_tensors, load_format)
     return receiver.apply(pairs, flush_cache)
+
+
+def _per_rank_update(engine, receiver: WeightReceiver, serialized: list[str], load_format: str | None,
+                     flush_cache: bool) -> int:
+    """Tensor parallel with one payload per rank: every rank opens its own entry (on GPU: the trainer's rank
+    on the same device) and checks it; only when every rank holds a checked bucket do they all copy."""
+    runner = engine.model_runner
+    try:
+        names = runner.weights_group("open", serialized, load_format)
+    except BaseException:
+        runner.weights_group("drop", _OPENED)
+        raise
+    return receiver.commit(names, lambda: runner.weights_group("apply", _OPENED), flush_cache)
+
+
+_OPENED = "\0opened"  # the staging key of a per-rank payload (no group name can hold a NUL)
 
 
 # ---- the process-group transport ---------------------------------------------------------------------
@@ -771,6 +790,13 @@ def rank_command(runner, op: str, *args):
         with _groups_lock:
             _groups[group_name] = group
         return None
+    if op == "open":  # this rank's entry of a per-rank update_weights_from_tensor
+        serialized, load_format = args
+        manifest = _rank_manifest(runner)
+        pairs = named_tensors_of(unpickle_payload(serialized[tp_rank()], manifest.max_bytes), load_format)
+        manifest.check(pairs)
+        _staged[_OPENED] = pairs
+        return [name for name, _ in pairs]
     if op == "receive":
         group_name, names, dtypes, shapes = args
         _staged[group_name] = receive_named_tensors(group_name, names, dtypes, shapes)
@@ -779,9 +805,11 @@ def rank_command(runner, op: str, *args):
         (group_name,) = args
         tensors = _staged.pop(group_name)
         try:
-            return runner.update_weights(tensors, strict=False)
+            count = runner.update_weights(tensors, strict=False)
+            _synchronize(runner.device)  # before the trainer's memory is released
+            return count
         finally:
-            tensors.clear()
+            release_transfer_memory(tensors)
     if op == "drop":
         _staged.pop(args[0], None)
         return None
@@ -791,6 +819,16 @@ def rank_command(runner, op: str, *args):
             raise ValueError(f"no weights update group {args[0]!r}")
         return None
     raise ValueError(f"unknown weights group operation {op!r}")
+
+
+_manifests: dict[str, Manifest] = {}  # this process's checkpoint manifests, by path
+
+
+def _rank_manifest(runner) -> Manifest:
+    path = runner.config.model
+    if path not in _manifests:
+        _manifests[path] = Manifest.of_checkpoint(path)
+    return _manifests[path]
 
 
 def destroy_update_group(group_name: str) -> bool:

@@ -156,7 +156,9 @@ class WeightPusher:
             self.target.update_weights_from_tensor(payload, load_format="flattened_bucket", flush_cache=flush_cache)
         else:
             response = self.http.post("/update_weights_from_tensor", json={
-                "serialized_named_tensors": [serialize(payload)] * self.tp_size, "load_format": "flattened_bucket",
+                # one pickle per rank: each is opened once (it carries one reference to the trainer's memory)
+                "serialized_named_tensors": [serialize(payload) for _ in range(self.tp_size)],
+                "load_format": "flattened_bucket",
                 "flush_cache": flush_cache})
             if response.status_code != 200:
                 raise RuntimeError(f"update_weights_from_tensor failed ({response.status_code}): {response.text}")
