@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     from torpor.cli import bench_generate
 
     bench_generate.add_parser(bench_sub)
+    from torpor.cli import bench_weights
+
+    bench_weights.add_parser(bench_sub)
     return parser
 
 

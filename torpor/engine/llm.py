@@ -239,6 +239,46 @@ class LLM:
         """Forget every KV block cached for prefix reuse (vLLM's name); True when done."""
         with self._lock:
             return self.engine.reset_prefix_cache()
+    # ---- weights from a trainer process (SGLang's names; see weight_transfer.py) -------------
+    def update_weights_from_tensor(self, named_tensors=None, load_format: str | None = None,
+                                   flush_cache: bool = True, serialized_named_tensors: list[str] | None = None) -> int:
+        """New weights by reference: `named_tensors` ((name, tensor) pairs, or with load_format
+        "flattened_bucket" a {"flattened_tensor", "metadata"} dict), or SGLang's `serialized_named_tensors`
+        (base64 ForkingPickler payloads, one per rank; CUDA IPC or shared memory). Checked before anything
+        is written; returns the number of tensors loaded."""
+        from torpor.engine import weight_transfer
+
+        with self._lock:
+            count = weight_transfer.update_weights_from_tensor(self.engine, serialized_named_tensors, load_format,
+                                                               flush_cache, named_tensors)
+            self._lock.notify_all()
+            return count
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str | None = None, timeout: float = 120.0) -> None:
+        """Join the trainer's process group `group_name` as rank `rank_offset` (+ tp rank), gloo or NCCL."""
+        from torpor.engine import weight_transfer
+
+        with self._lock:
+            weight_transfer.init_weights_update_group(self.engine, master_address, master_port, rank_offset,
+                                                      world_size, group_name, backend, timeout)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str, flush_cache: bool = True) -> int:
+        """Receive the trainer's rank-0 broadcast of each named tensor, in order, then load them all."""
+        from torpor.engine import weight_transfer
+
+        with self._lock:
+            count = weight_transfer.update_weights_from_distributed(self.engine, names, dtypes, shapes, group_name,
+                                                                    flush_cache)
+            self._lock.notify_all()
+            return count
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        from torpor.engine import weight_transfer
+
+        with self._lock:
+            weight_transfer.destroy_weights_update_group(self.engine, group_name)
 
 
 def _prompt_list(prompts) -> list[Prompt]:

@@ -125,6 +125,13 @@ class ParallelModelRunner:
         self.local.close()  # its graphs (they captured NCCL calls) go before the communicator
         self.workers.close()
 
+    def weights_group(self, op: str, *args):
+        """A trainer's weights update group on every rank (weight_transfer.rank_command: init, receive,
+        apply, drop, destroy); every rank joins as rank_offset + its rank and keeps its own shard."""
+        from torpor.engine.weight_transfer import rank_command
+
+        return self._everywhere("weights_group", (op, *args), lambda: rank_command(self.local, op, *args))
+
 
 class ParallelMemory:
     """Rank 0's MemoryManager for every query; `sleep` and `wake` act on every rank. A sleep that fails

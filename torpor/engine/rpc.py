@@ -36,12 +36,34 @@ def _is_sleeping(target):
     return target.is_sleeping()
 
 
+def _update_weights_from_tensor(target, serialized_named_tensors: list[str] | None = None,
+                                load_format: str | None = None, flush_cache: bool = True, named_tensors: Any = None):
+    return target.update_weights_from_tensor(named_tensors, load_format, flush_cache, serialized_named_tensors)
+
+
+def _init_weights_update_group(target, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                               group_name: str = "weight_update_group", backend: str | None = None,
+                               timeout: float = 120.0):
+    return target.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                            backend, timeout)
+
+
+def _update_weights_from_distributed(target, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                     group_name: str = "weight_update_group", flush_cache: bool = True):
+    return target.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)
+
+
+def _destroy_weights_update_group(target, group_name: str = "weight_update_group"):
+    return target.destroy_weights_update_group(group_name)
+
+
 def _memory_usage(target):
     return target.memory_usage()
 
 
 METHODS: dict[str, Callable] = {f.__name__[1:]: f for f in (
-    _sleep, _wake_up, _reload_weights, _update_weights, _is_sleeping, _memory_usage)}
+    _sleep, _wake_up, _reload_weights, _update_weights, _is_sleeping, _memory_usage, _update_weights_from_tensor,
+    _init_weights_update_group, _update_weights_from_distributed, _destroy_weights_update_group)}
 
 
 class RPCArgumentError(ValueError):

@@ -162,6 +162,10 @@ def _handle(runner, memory, conn, command: str, args: tuple):
                 pass
     if command == "info":
         return rank_info(runner, memory)
+    if command == "weights_group":  # a trainer's weights update group (weight_transfer.rank_command)
+        from torpor.engine.weight_transfer import rank_command
+
+        return rank_command(runner, *args)
     raise ValueError(f"unknown worker command {command!r}")
 
 

@@ -101,7 +101,9 @@ async def collective_rpc(body: RPCRequest, request: Request) -> dict:
     methods and their arguments: sleep(level: int = 1, mode: str = "wait"), wake_up(tags: list[str] |
     None = None), reload_weights(path: str | None = None), is_sleeping(), memory_usage()."""
     server: ServerState = request.app.state.server
-    methods = RPC_METHODS
+    from torpor.server.weights_api import RPC_METHODS as WEIGHT_METHODS  # (a cycle at import time)
+
+    methods = {**RPC_METHODS, **WEIGHT_METHODS}
     try:  # the engine's table and argument checks, shared with LLM.collective_rpc
         bound = rpc.check(body.method, body.args, body.kwargs)
     except rpc.RPCArgumentError as exc:

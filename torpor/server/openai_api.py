@@ -55,6 +55,7 @@ async def completions(body: CompletionRequest, request: Request):
     params = body.sampling_params(max_tokens, body.logprobs)
     fmt = CompletionFormat(server.engine.tokenizer, server.config.model_name, f"cmpl-{uuid.uuid4().hex}",
                            body.logprobs)
+    fmt.return_token_ids = bool(body.return_token_ids)
     return await _generate(request, server, "completions", fmt, prompts, params, body)
 
 

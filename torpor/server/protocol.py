@@ -188,6 +188,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool | None = False  # vLLM's extension: the choice carries "token_ids" (RL trainers)
 
     def _unsupported(self) -> dict[str, bool]:
         return {"echo": bool(self.echo), "suffix": bool(self.suffix), "best_of": self.best_of not in (None, 1)}

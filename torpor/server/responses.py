@@ -68,9 +68,14 @@ class CompletionFormat(ResponseFormat):
         super().__init__(*args)
         self._text_offsets: dict[int, int] = {}  # choice index -> offset of its next token, across chunks
 
+    return_token_ids = False  # vLLM's `return_token_ids`: the sampled ids too (set per request)
+
     def _choice(self, text, token_ids, logprobs, finish_reason, whole: bool, index: int = 0) -> dict:
-        return {"index": index, "text": text, "finish_reason": finish_reason,
-                "logprobs": self._logprobs(token_ids, logprobs, index) if self.num_logprobs is not None else None}
+        choice = {"index": index, "text": text, "finish_reason": finish_reason,
+                  "logprobs": self._logprobs(token_ids, logprobs, index) if self.num_logprobs is not None else None}
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], index: int = 0) -> dict:
         tokens, offsets = [], []

@@ -1,0 +1,28 @@
+"""`torpor bench weights` on CPU (tiny model): a real `torpor serve` engine, pushes from this process through
+shared memory, the RL-step cycle, and the side-by-side figures, written to JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_weights_on_cpu(tmp_path, tiny_model_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "torpor", "bench", "weights", "--device", "cpu", "--model",
+                             tiny_model_path, "--repeat", "1", "--bucket-mb", "1", "--json", str(out)],
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    serve = results["serve"]
+    assert serve["answers_unchanged"]  # the same weights pushed back (and after the RL cycle) answer the same
+    assert serve["push_s"] > 0 and serve["push_one_request_s"] > 0 and serve["reload_weights_s"] > 0
+    assert set(serve["rl_step"]) == {"sleep", "wake_weights", "push", "wake_kv", "total"}
+    assert results["in_process"]["update_weights_s"] > 0
+    assert "RL step: sleep L2" in result.stdout

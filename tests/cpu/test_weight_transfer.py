@@ -1,0 +1,478 @@
+"""Weights pushed by a trainer in another process (torpor/engine/weight_transfer.py, torpor/rl): shared-memory
+payloads (SGLang's `update_weights_from_tensor`) in process and over HTTP, flattened buckets, the restricted
+unpickler against malicious pickles, checks before any write, level-2 pushes in several buckets, and the
+gloo process-group path (`init_weights_update_group` / `update_weights_from_distributed`) across real
+processes, including a group that never forms and a trainer that dies mid-update."""
+
+import base64
+import io
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import textwrap
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from torpor.engine import LLM, SamplingParams
+from torpor.engine.checkpoint import make_model
+from torpor.engine.loader import iter_checkpoint
+from torpor.engine.weight_transfer import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
+from torpor.engine.worker_group import RankError
+from torpor.rl import WeightPusher, bucket_named_tensors, serialize
+from torpor.server import ServerConfig, build_app
+
+from .test_server import ServerThread
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
+ADMIN = "admin-secret"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def new_weights_path(tmp_path_factory) -> str:
+    """The tiny preset with other random weights (seed 1): the trainer's "new" weights."""
+    return str(make_model("tiny", tmp_path_factory.mktemp("tiny-seed1") / "tiny", seed=1, dtype="float32",
+                          progress=False))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_path, new_weights_path) -> SimpleNamespace:
+    """Greedy outputs (tokens, logprobs) of the old weights and of the new ones."""
+    old = LLM(tiny_model_path, **ENGINE)
+    new = LLM(new_weights_path, **ENGINE)
+    result = SimpleNamespace(old=_answers(old), new=_answers(new))
+    assert result.old != result.new  # the push is visible
+    return result
+
+
+def _answers(llm) -> list:
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
+    return [(c.token_ids, [round(lp[t].logprob, 5) for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+            for c in outputs]
+
+
+def _run_trainer(code: str, *args: str) -> subprocess.Popen:
+    """A trainer process. Its stderr goes to a file: torch's shared-memory manager (a daemon the trainer
+    starts) inherits the trainer's pipes and would hold them open after the trainer exits."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the trainer, in _finish)
+    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+    trainer.err_file = err
+    return trainer
+
+
+def _finish(trainer: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    """Close its stdin, wait for it to exit; (exit code, stdout lines until then, stderr)."""
+    trainer.stdin.close()
+    code = trainer.wait(timeout)
+    out = _read_available(trainer.stdout)
+    trainer.err_file.seek(0)
+    err = trainer.err_file.read()
+    trainer.err_file.close()
+    return code, out, err
+
+
+def _read_available(stream) -> str:
+    os.set_blocking(stream.fileno(), False)
+    try:
+        return stream.read() or ""
+    except (BlockingIOError, TypeError):
+        return ""
+
+
+# ---- the restricted unpickler -----------------------------------------------------------------------
+class _Evil:
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.mark.parametrize("make", [
+    lambda marker: _Evil(os.system, f"touch {marker}"),
+    lambda marker: _Evil(eval, f"open({str(marker)!r}, 'w')"),
+    lambda marker: _Evil(subprocess.Popen, ["touch", str(marker)]),
+    lambda marker: _Evil(torch.load, str(marker)),
+])
+def test_malicious_pickles_are_refused_and_never_run(tmp_path, make):
+    marker = tmp_path / "pwned"
+    payload = base64.b64encode(pickle.dumps([("model.norm.weight", make(marker))])).decode()
+    with pytest.raises(RefusedPickle, match="refused to unpickle"):
+        unpickle_payload(payload, max_bytes=1 << 20)
+    assert not marker.exists()
+
+
+def test_allowed_classes_cannot_be_called_and_object_opcodes_are_refused():
+    class CallsTensor:
+        def __reduce__(self):
+            return torch.Tensor, (1 << 40,)  # would allocate 4 TiB if torch.Tensor were callable
+
+    with pytest.raises(RefusedPickle):
+        RestrictedUnpickler(pickle.dumps(CallsTensor()), 1 << 20).load()
+    with pytest.raises(RefusedPickle, match="object-building opcode"):
+        # OrderedDict() then BUILD with a state dict (BUILD can set attributes / call __setstate__)
+        RestrictedUnpickler(b"\x80\x02ccollections\nOrderedDict\n)R}b.", 1 << 20).load()
+
+
+def test_sglang_bucket_metadata_dataclass_is_accepted(monkeypatch):
+    """SGLang's trainers pickle `FlattenedTensorMetadata` dataclass instances (NEWOBJ + BUILD)."""
+    import dataclasses
+    import types
+
+    module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    fields = [("name", str), ("shape", torch.Size), ("dtype", torch.dtype), ("start_idx", int), ("end_idx", int),
+              ("numel", int)]
+    meta_cls = dataclasses.make_dataclass("FlattenedTensorMetadata", fields)
+    meta_cls.__module__ = module.__name__
+    module.FlattenedTensorMetadata = meta_cls
+    for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):
+        monkeypatch.setitem(sys.modules, parent, sys.modules.get(parent) or types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    a, b = torch.randn(2, 3), torch.randn(4)
+    bucket = {"flattened_tensor": torch.cat([a.flatten(), b]),
+              "metadata": [meta_cls("a", a.shape, a.dtype, 0, 6, 6), meta_cls("b", b.shape, b.dtype, 6, 10, 4)]}
+    pairs = named_tensors_of(unpickle_payload(serialize(bucket), 1 << 20), "flattened_bucket")
+    assert [n for n, _ in pairs] == ["a", "b"] and torch.equal(pairs[0][1], a) and torch.equal(pairs[1][1], b)
+    forged = pickle.dumps(meta_cls("a", a.shape, a.dtype, 0, 6, 6)).replace(b"numel", b"evil_")
+    with pytest.raises(RefusedPickle, match="object-building opcode"):
+        RestrictedUnpickler(forged, 1 << 20).load()
+
+
+def test_shared_memory_names_and_sizes_are_checked():
+    from torch.multiprocessing import reductions
+
+    class FakeStorage:
+        def __init__(self, manager, handle, size) -> None:
+            self.args = (torch.storage.UntypedStorage, manager, handle, size)
+
+        def __reduce__(self):
+            return reductions.rebuild_storage_filename, self.args
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    real = torch.zeros(4).untyped_storage()
+    manager, handle, _ = real._share_filename_cpu_()
+    for args, match in [((manager, b"/../../etc/passwd", 4), "not a torch shared-memory file"),
+                        ((b"/tmp/x.sock", handle, 4), "torch_shm_manager"),
+                        ((manager, handle, 1 << 30), r"holds \d+ bytes, the payload claims")]:
+        with pytest.raises(RefusedPickle, match=match):
+            RestrictedUnpickler(pickle.dumps(FakeStorage(*args)), 1 << 40).load()
+
+
+def test_flattened_bucket_round_trip_and_bad_metadata():
+    tensors = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.randn(2, 2))]
+    buckets = list(bucket_named_tensors(tensors, bucket_bytes=60))
+    assert [len(b.metadata) for b in buckets] == [2, 1]  # a + b: 48 + 10 bytes; c: 16 more would pass 60
+    assert buckets[0].metadata[1][3] == 48 and buckets[0].nbytes == 64  # b starts aligned; padded to 16 bytes
+    decoded = [p for b in buckets for p in named_tensors_of(unpickle_payload(serialize(b.payload()), 1 << 20),
+                                                            "flattened_bucket")]
+    assert [n for n, _ in decoded] == ["a", "b", "c"]
+    for (_, want), (_, got) in zip(tensors, decoded, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    (odd_then_fp32,) = bucket_named_tensors([tensors[1], tensors[2]])  # fp32 after 10 bytes of bf16: aligned
+    assert torch.equal(named_tensors_of(odd_then_fp32.payload(), "flattened_bucket")[1][1], tensors[2][1])
+    bad = {"flattened_tensor": torch.zeros(8, dtype=torch.uint8), "metadata": [("a", [3], torch.float32, 0, 8)]}
+    with pytest.raises(ValueError, match="needs 12"):
+        named_tensors_of(bad, "flattened_bucket")
+    with pytest.raises(ValueError, match="outside the bucket"):
+        named_tensors_of({**bad, "metadata": [("a", [3], torch.float32, 4, 16)]}, "flattened_bucket")
+
+
+# ---- in process, from another process's shared memory ------------------------------------------------
+TRAINER_PAYLOAD = """
+    import sys, torch
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.rl import bucket_named_tensors, serialize
+    named = list(iter_checkpoint({path!r}))
+    print(serialize([b.payload() for b in bucket_named_tensors(named, 1 << 20)][0] if {bucketed} else named),
+          flush=True)
+    sys.stdin.readline()  # keep the shared memory until the engine has copied it
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_in_process_llm_takes_another_process_shared_memory(tiny_model_path, new_weights_path, expected, bucketed):
+    llm = LLM(tiny_model_path, **ENGINE)
+    trainer = _run_trainer(TRAINER_PAYLOAD.format(path=new_weights_path, bucketed=bucketed))
+    try:
+        payload = trainer.stdout.readline().strip()
+        assert payload, _finish(trainer)
+        load_format = "flattened_bucket" if bucketed else None  # the tiny model fits one 1 MiB bucket
+        assert llm.update_weights_from_tensor(serialized_named_tensors=[payload], load_format=load_format) > 0
+    finally:
+        trainer.stdin.write("done\n")
+        _finish(trainer)
+    assert _answers(llm) == expected.new
+
+
+def test_checks_before_any_write_and_weights_asleep(tiny_model_path, new_weights_path, expected):
+    llm = LLM(tiny_model_path, **ENGINE)
+    named = list(iter_checkpoint(new_weights_path))
+    bad_shape = [*named[:-1], (named[-1][0], named[-1][1][:1])]
+    with pytest.raises(ValueError, match=r"nothing was written.*has shape"):
+        llm.update_weights_from_tensor(bad_shape)
+    with pytest.raises(ValueError, match=r"unknown tensor 'model\.layers\.99\.mlp\.up_proj\.weight'"):
+        llm.update_weights_from_tensor([*named, ("model.layers.99.mlp.up_proj.weight", named[0][1])])
+    with pytest.raises(ValueError, match=r"dtype torch\.int64"):
+        llm.update_weights_from_tensor([(named[0][0], named[0][1].long())])
+    assert _answers(llm) == expected.old  # every refused update left the old weights serving
+    llm.sleep(1)
+    with pytest.raises(RuntimeError, match="the weights are asleep"):
+        llm.update_weights_from_tensor(named)
+    llm.wake_up()
+    assert _answers(llm) == expected.old
+
+
+def test_level_2_push_in_buckets_serves_once_complete(tiny_model_path, new_weights_path, expected):
+    llm = LLM(tiny_model_path, **ENGINE)
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    buckets = list(bucket_named_tensors(iter_checkpoint(new_weights_path), bucket_bytes=200_000))
+    assert len(buckets) > 1
+    for i, bucket in enumerate(buckets):
+        assert llm.engine.sleep_mode.weights_discarded, f"valid before bucket {i} of {len(buckets)}"
+        llm.update_weights_from_tensor(bucket.payload(), load_format="flattened_bucket")
+    assert not llm.engine.sleep_mode.weights_discarded
+    llm.wake_up(["kv_cache"])
+    assert _answers(llm) == expected.new
+
+
+def test_a_second_level_2_sleep_mid_push_starts_the_count_over(tiny_model_path, new_weights_path, expected):
+    llm = LLM(tiny_model_path, **ENGINE)
+    named = list(iter_checkpoint(new_weights_path))
+    first, second = named[: len(named) // 2], named[len(named) // 2:]
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.update_weights_from_tensor(first)
+    llm.wake_up()
+    assert llm.engine.sleep_mode.weights_discarded  # half a model: not serving
+    llm.sleep(2)  # discards the first half again
+    llm.wake_up(["weights"])
+    llm.update_weights_from_tensor(second)
+    assert llm.engine.sleep_mode.weights_discarded, "the first half was counted although discarded again"
+    llm.update_weights_from_tensor(first)
+    assert not llm.engine.sleep_mode.weights_discarded
+    llm.wake_up()
+    assert _answers(llm) == expected.new
+
+
+# ---- over HTTP -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    llm = LLM(tiny_model_path, **ENGINE)
+    config = ServerConfig("tiny", admin_token=ADMIN, max_body_bytes=1 << 20)
+    with ServerThread(build_app(llm.engine, config)) as url:
+        yield SimpleNamespace(url=url, llm=llm, admin=httpx.Client(base_url=url, timeout=120,
+                                                                   headers={"Authorization": f"Bearer {ADMIN}"}))
+
+
+def _served(server) -> list:
+    out = []
+    for prompt in PROMPTS:
+        r = server.admin.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                                      "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                                      "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out.append((choice["token_ids"], [round(x, 5) for x in choice["logprobs"]["token_logprobs"]]))
+    return out
+
+
+TRAINER_HTTP = """
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.rl import WeightPusher
+    pusher = WeightPusher({url!r}, {admin!r}, bucket_bytes=200_000, buckets_per_request=2)  # 4 buckets, 2 requests
+    print(pusher.push(iter_checkpoint({path!r})), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_http_rl_cycle_from_a_trainer_process(server, tiny_model_path, new_weights_path, expected):
+    old = _served(server)
+    assert old == expected.old
+    r = server.admin.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["AAAA"]})
+    assert r.status_code == 400 and "pickle" in r.json()["error"]["message"]
+    evil = base64.b64encode(pickle.dumps([("x", _Evil(os.system, "true"))])).decode()
+    r = server.admin.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+    assert r.status_code == 400 and "refused to unpickle posix.system" in r.json()["error"]["message"]
+    assert server.admin.post("/sleep", params={"level": 2}).status_code == 200
+    r = server.admin.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+    assert r.status_code == 409 and "asleep" in r.json()["error"]["message"]  # before any unpickling
+    assert server.admin.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    trainer = _run_trainer(TRAINER_HTTP.format(url=server.url, admin=ADMIN, path=new_weights_path))
+    code, out, err = _finish(trainer)
+    assert code == 0, err
+    assert "GB/s" in out
+    assert server.admin.post("/wake_up", params={"tags": "kv_cache"}).json()["serving"]
+    assert _served(server) == expected.new
+    pusher = WeightPusher(server.url, ADMIN)  # back to the old weights, for the next tests
+    pusher.push(iter_checkpoint(tiny_model_path))
+    rpc = server.admin.post("/collective_rpc", json={"method": "update_weights_from_tensor", "kwargs": {
+        "serialized_named_tensors": [serialize(list(iter_checkpoint(tiny_model_path))[:2])]}})
+    assert rpc.status_code == 200 and rpc.json()["results"][0]["num_tensors"] == 2
+    assert _served(server) == old
+
+
+# ---- the process-group path (gloo) ------------------------------------------------------------------
+TRAINER_GROUP = """
+    import os, socket, sys
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.rl import DistributedPusher
+    port = int(sys.argv[1])
+    pusher = DistributedPusher({url!r}, {admin!r}, "127.0.0.1", port, "cpu", timeout=30)
+    named = list(iter_checkpoint({path!r}))
+    if {die_midway}:
+        import httpx, threading
+        from torpor.engine.weight_transfer import broadcast
+        body = {{"names": [n for n, _ in named], "dtypes": ["float32"] * len(named),
+                "shapes": [list(t.shape) for _, t in named], "group_name": "weight_update_group"}}
+        threading.Thread(target=pusher.http.post, args=("/update_weights_from_distributed",),
+                         kwargs={{"json": body}}, daemon=True).start()
+        for _, t in named[:3]:
+            broadcast(pusher.group, t)
+        print("dying", flush=True)
+        os._exit(3)
+    print(pusher.push(named), flush=True)
+    pusher.close()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_process_group_push_and_failures(server, tiny_model_path, new_weights_path, expected):
+    old = expected.old
+    # a group that never forms: nobody hosts the store
+    r = server.admin.post("/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": _free_port(), "rank_offset": 1, "world_size": 2,
+        "group_name": "nobody", "backend": "gloo", "timeout": 1.0})
+    assert r.status_code == 409 and "nobody" in r.json()["error"]["message"], r.text
+    assert _served(server) == old
+    # a trainer that dies after 3 of its tensors
+    trainer = _run_trainer(TRAINER_GROUP.format(url=server.url, admin=ADMIN, path=new_weights_path, die_midway=True),
+                           str(_free_port()))
+    code, out, err = _finish(trainer)
+    assert code == 3 and "dying" in out, err
+    assert _served(server) == old  # nothing was written; the group is gone
+    r = server.admin.post("/destroy_weights_update_group", json={"group_name": "weight_update_group"})
+    assert r.status_code == 400 and "no weights update group" in r.json()["error"]["message"]
+    # a whole push
+    trainer = _run_trainer(TRAINER_GROUP.format(url=server.url, admin=ADMIN, path=new_weights_path, die_midway=False),
+                           str(_free_port()))
+    code, out, err = _finish(trainer)
+    assert code == 0, err
+    assert _served(server) == expected.new
+    WeightPusher(server.url, ADMIN).push(iter_checkpoint(tiny_model_path))
+    assert _served(server) == old
+
+
+def test_unpickler_payload_limits():
+    t = torch.zeros(1024)
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump([("x", t)])
+    with pytest.raises(RefusedPickle, match="maps more than 100 bytes"):
+        RestrictedUnpickler(buffer.getvalue(), max_bytes=100).load()
+
+
+# ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
+TP_TRAINER = """
+    import sys, torch
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weight_transfer import broadcast, open_update_group
+    from torpor.rl import serialize
+    named = list(iter_checkpoint(sys.argv[1]))
+    for _ in range(4):  # shared-memory payloads: each pickle is opened once (by one rank)
+        print(serialize(named), flush=True)
+    group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 3, "tp", "gloo", torch.device("cpu"), 60,
+                              is_master=True)
+    sys.stdin.readline()  # the engine asks for the tensors
+    for _, t in named:
+        broadcast(group, t)
+    print("sent", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weights_path, expected):
+    import threading
+
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, **ENGINE)
+    port = _free_port()
+    trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port))
+    try:
+        payloads = [trainer.stdout.readline().strip() for _ in range(4)]
+        assert all(payloads), _finish(trainer)
+        # by reference, one payload: rank 0 opens it and streams it to the other rank
+        assert llm.update_weights_from_tensor(serialized_named_tensors=[payloads[0]]) > 0
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
+        llm.update_weights(iter_checkpoint(tiny_model_path))  # back to the old weights
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
+        # one payload per rank: each rank opens its own and keeps its shard; a bad one on rank 1 writes nothing
+        with pytest.raises(RankError, match="not valid base64"):
+            llm.update_weights_from_tensor(serialized_named_tensors=[payloads[1], "%%%"])
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
+        assert llm.update_weights_from_tensor(serialized_named_tensors=payloads[2:]) > 0
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
+        llm.update_weights(iter_checkpoint(tiny_model_path))
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
+        # by process group: ranks 1 and 2 of 3 are this engine's two ranks
+        llm.init_weights_update_group("127.0.0.1", port, 1, 3, "tp", "gloo", timeout=60)
+        named = list(iter_checkpoint(new_weights_path))
+        result = {}
+        receive = threading.Thread(target=lambda: result.setdefault("count", llm.update_weights_from_distributed(
+            [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named], "tp")))
+        receive.start()
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        receive.join(120)
+        assert trainer.stdout.readline().strip() == "sent"
+        assert result.get("count", 0) > 0
+        llm.destroy_weights_update_group("tp")
+        assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
+    finally:
+        llm.close()
+        _finish(trainer)
+
+
+DYING_TRAINER = """
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.rl import serialize
+    print(serialize(list(iter_checkpoint({path!r}))), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_payload_whose_memory_is_gone_is_a_clear_error(tiny_model_path, new_weights_path, expected):
+    """The trainer exited and its shared memory was removed before the engine opened it."""
+    import glob
+
+    llm = LLM(tiny_model_path, **ENGINE)
+    trainer = _run_trainer(DYING_TRAINER.format(path=new_weights_path))
+    payload = trainer.stdout.readline().strip()
+    code, _, err = _finish(trainer)
+    assert code == 0 and payload, err
+    files = glob.glob(f"/dev/shm/torch_{trainer.pid}_*")
+    assert files  # the pickler keeps them for the receiver, even after the trainer exits
+    for file in files:
+        os.unlink(file)
+    with pytest.raises(ValueError, match=r"does not exist \(the trainer freed it, or died\)"):
+        llm.update_weights_from_tensor(serialized_named_tensors=[payload])
+    assert _answers(llm) == expected.old

@@ -1,0 +1,147 @@
+"""Weights from a trainer process on CUDA: IPC buckets from another process into an `LLM` (the answers of the
+new weights, bit for bit; the trainer's memory is released by the engine after the copy), and with 2 GPUs
+the NCCL update group (trainer on GPU 1, engine on GPU 0)."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from torpor.engine import LLM, SamplingParams  # noqa: E402
+from torpor.engine.checkpoint import make_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = dict(max_model_len=256, max_num_seqs=8, block_size=16, num_kv_blocks=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    return {seed: str(make_model("tiny", root / f"seed{seed}", seed=seed, dtype="bfloat16", progress=False))
+            for seed in (0, 1)}
+
+
+def answers(llm) -> list:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _trainer(code: str, *args: str) -> subprocess.Popen:
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read in the test)
+    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    process.err_file = err
+    return process
+
+
+def _stderr(process) -> str:
+    process.err_file.seek(0)
+    return process.err_file.read()
+
+
+IPC_TRAINER = """
+    import sys, torch
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.rl import bucket_named_tensors, serialize
+    named = [(n, t.cuda()) for n, t in iter_checkpoint(sys.argv[1])]
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    buckets = list(bucket_named_tensors(named, 200_000))
+    print(len(buckets), flush=True)
+    for b in buckets:
+        print(serialize(b.payload()), flush=True)
+    sys.stdin.readline()  # the engine has copied every bucket
+    del buckets, b
+    torch.cuda.ipc_collect()  # blocks the engine still maps stay allocated here
+    print(torch.cuda.memory_allocated() - baseline, flush=True)
+"""
+
+
+def test_ipc_buckets_from_another_process(checkpoints):
+    reference = LLM(checkpoints[1], device="cuda", **ENGINE)
+    want = answers(reference)
+    reference.close()
+    del reference
+    llm = LLM(checkpoints[0], device="cuda", **ENGINE)
+    assert answers(llm) != want
+    trainer = _trainer(IPC_TRAINER, checkpoints[1])
+    try:
+        count = int(trainer.stdout.readline())
+        payloads = [trainer.stdout.readline().strip() for _ in range(count)]
+        assert count > 1 and all(payloads), _stderr(trainer)
+        llm.sleep(2)
+        llm.wake_up(["weights"])
+        for payload in payloads:
+            llm.update_weights_from_tensor(serialized_named_tensors=[payload], load_format="flattened_bucket")
+        llm.wake_up(["kv_cache"])
+        trainer.stdin.write("done\n")
+        trainer.stdin.flush()
+        left = int(trainer.stdout.readline())
+    finally:
+        trainer.stdin.close()
+        trainer.wait(120)
+    assert left == 0, "the engine still maps the trainer's buckets after the copy"
+    assert answers(llm) == want  # the pushed weights serve, bit for bit as if loaded from disk
+
+
+GROUP_TRAINER = """
+    import sys, torch
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weight_transfer import broadcast, open_update_group
+    torch.cuda.set_device(1)
+    named = [(n, t.to("cuda:1")) for n, t in iter_checkpoint(sys.argv[1])]
+    group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 2, "test", "nccl", torch.device("cuda:1"),
+                              is_master=True)
+    sys.stdin.readline()  # the engine asks for the tensors
+    for _, t in named:
+        broadcast(group, t)
+    torch.cuda.synchronize()
+    print("sent", flush=True)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_update_group_across_gpus(checkpoints):
+    import socket
+
+    from torpor.engine.loader import iter_checkpoint
+
+    reference = LLM(checkpoints[1], device="cuda:0", **ENGINE)
+    want = answers(reference)
+    reference.close()
+    del reference
+    llm = LLM(checkpoints[0], device="cuda:0", **ENGINE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = _trainer(GROUP_TRAINER, checkpoints[1], str(port))
+    try:
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, "test", "nccl", timeout=120)
+        named = list(iter_checkpoint(checkpoints[1]))
+        result = {}
+        receive = threading.Thread(target=lambda: result.setdefault("count", llm.update_weights_from_distributed(
+            [n for n, _ in named], ["bfloat16"] * len(named), [list(t.shape) for _, t in named], "test")))
+        receive.start()
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        receive.join(120)
+        assert trainer.stdout.readline().strip() == "sent", _stderr(trainer)
+        assert result.get("count", 0) > 0
+        llm.destroy_weights_update_group("test")
+    finally:
+        trainer.stdin.close()
+        trainer.wait(120)
+    assert answers(llm) == want

@@ -1,0 +1,228 @@
+"""Push a trainer's weights into a torpor engine.
+
+`WeightPusher` (same device): the model's `named_parameters()` (Hugging Face names) go into flattened
+buckets of `bucket_bytes` (default 512 MiB: a handful of CUDA IPC handles for an 8B model, not ~400), each
+serialized with `torch.multiprocessing`'s pickler (CUDA tensors as IPC handles; CPU tensors as
+shared-memory files, the `file_system` sharing strategy) and sent to `POST /update_weights_from_tensor`
+or to an in-process `LLM`. Each bucket stays referenced until the engine answered, i.e. has copied it.
+
+`DistributedPusher` (another device or node): hosts a process group (trainer = rank 0), the engine joins
+through `POST /init_weights_update_group`; each push broadcasts every tensor in order while
+`POST /update_weights_from_distributed` receives them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+@dataclass
+class Bucket:
+    """Tensors of one push, back to back: `flattened` is 1-D uint8 (on the tensors' device); metadata holds
+    (name, shape, dtype, start byte, end byte) per tensor."""
+
+    flattened: torch.Tensor
+    metadata: list[tuple[str, list[int], torch.dtype, int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.flattened.numel()
+
+    def payload(self) -> dict:
+        """SGLang's flattened-bucket payload."""
+        return {"flattened_tensor": self.flattened, "metadata": self.metadata}
+
+
+@dataclass
+class PushReport:
+    seconds: float
+    bytes: int
+    buckets: int
+    tensors: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        return (f"{self.tensors} tensors, {self.bytes / 2**30:.3f} GiB in {self.buckets} bucket(s), "
+                f"{self.seconds:.4f} s, {self.gbps:.2f} GB/s")
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Bucket]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and size + nbytes > bucket_bytes:
+            yield _flatten(pending)
+            pending, size = [], 0
+        pending.append((name, tensor.detach()))
+        size += nbytes
+    if pending:
+        yield _flatten(pending)
+
+
+ALIGN = 16  # every tensor starts 16-byte aligned in its bucket (a dtype view needs an aligned offset)
+
+
+def _flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+    metadata, parts, offset = [], [], 0
+    for name, tensor in named:
+        data = tensor.contiguous().view(-1).view(torch.uint8)  # the tensor's bytes (any dtype)
+        metadata.append((name, list(tensor.shape), tensor.dtype, offset, offset + data.numel()))
+        parts.append(data)
+        offset += data.numel()
+        padding = -offset % ALIGN
+        if padding:
+            parts.append(torch.zeros(padding, dtype=torch.uint8, device=data.device))
+            offset += padding
+    return Bucket(torch.cat(parts), metadata)
+
+
+def serialize(obj) -> str:
+    """base64 of a ForkingPickler pickle: tensors travel by reference (CUDA IPC / shared-memory file)."""
+    if _has_cpu_tensor(obj):
+        torch.multiprocessing.set_sharing_strategy("file_system")  # a file an unrelated process can open
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _has_cpu_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == "cpu"
+    if isinstance(obj, dict):
+        return any(_has_cpu_tensor(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_has_cpu_tensor(v) for v in obj)
+    return False
+
+
+class WeightPusher:
+    """Pushes weights into an engine on the same device: `target` is a server URL (then `admin_token`) or
+    an in-process `LLM`. `tp_size`: the engine's tensor-parallel size (one payload per rank)."""
+
+    def __init__(self, target, admin_token: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 tp_size: int = 1, timeout: float = 600.0, buckets_per_request: int = 1) -> None:
+        if buckets_per_request < 1:
+            raise ValueError(f"buckets_per_request must be >= 1, got {buckets_per_request}")
+        self.target, self.bucket_bytes, self.tp_size = target, bucket_bytes, tp_size
+        self.buckets_per_request = buckets_per_request
+        self.http = None
+        if isinstance(target, str):
+            import httpx
+
+            headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+            self.http = httpx.Client(base_url=target, headers=headers, timeout=timeout)
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
+        """Every tensor, `buckets_per_request` buckets per request (SGLang's form: 1; more: fewer round trips,
+        more trainer memory held at once); the prefix cache is flushed after the last request. Each bucket is
+        complete on the trainer's device before it is sent (the engine must read finished values)."""
+        start = time.perf_counter()
+        report = PushReport(0.0, 0, 0, 0)
+        pending: list[Bucket] = []
+        for bucket in bucket_named_tensors(named_tensors, self.bucket_bytes):
+            if bucket.flattened.is_cuda:
+                torch.cuda.current_stream(bucket.flattened.device).synchronize()
+            if len(pending) == self.buckets_per_request:
+                self._send(pending, flush_cache=False, report=report)
+                pending = []
+            pending.append(bucket)  # held back: the last request carries flush_cache
+        if pending:
+            self._send(pending, flush_cache=flush_cache, report=report)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _send(self, buckets: list[Bucket], flush_cache: bool, report: PushReport) -> None:
+        """Returns once the engine has copied the buckets (the caller drops them afterwards)."""
+        payload = buckets[0].payload() if len(buckets) == 1 else [b.payload() for b in buckets]
+        if self.http is None:  # an in-process LLM: no pickling needed
+            self.target.update_weights_from_tensor(payload, load_format="flattened_bucket", flush_cache=flush_cache)
+        else:
+            response = self.http.post("/update_weights_from_tensor", json={
+                # one pickle per rank: each is opened once (it carries one reference to the trainer's memory)
+                "serialized_named_tensors": [serialize(payload) for _ in range(self.tp_size)],
+                "load_format": "flattened_bucket",
+                "flush_cache": flush_cache})
+            if response.status_code != 200:
+                raise RuntimeError(f"update_weights_from_tensor failed ({response.status_code}): {response.text}")
+        report.bytes += sum(b.nbytes for b in buckets)
+        report.buckets += len(buckets)
+        report.tensors += sum(len(b.metadata) for b in buckets)
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+
+
+class DistributedPusher:
+    """The trainer's end of a weights update group: hosts the store at `master_address:master_port`, is
+    rank 0 of 1 + `engine_ranks`, and broadcasts from `device`. `url` is the engine server (admin token)."""
+
+    def __init__(self, url: str, admin_token: str | None, master_address: str, master_port: int,
+                 device: str | torch.device = "cpu", engine_ranks: int = 1, group_name: str = "weight_update_group",
+                 backend: str | None = None, timeout: float = 120.0) -> None:
+        import httpx
+
+        from torpor.engine.weight_transfer import open_update_group
+
+        self.device, self.group_name = torch.device(device), group_name
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout + 60)
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
+                "world_size": 1 + engine_ranks, "group_name": group_name, "backend": backend, "timeout": timeout}
+        with ThreadPoolExecutor(1) as pool:  # the engine joins while this process hosts the group
+            joined = pool.submit(self.http.post, "/init_weights_update_group", json=body)
+            try:
+                self.group = open_update_group(master_address, master_port, 0, 1 + engine_ranks, group_name,
+                                               backend, self.device, timeout, is_master=True)
+            finally:
+                response = joined.result()
+        if response.status_code != 200:
+            raise RuntimeError(f"init_weights_update_group failed ({response.status_code}): {response.text}")
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
+        """Broadcast every tensor, in order, while the engine receives them (one request for all)."""
+        from torpor.engine.weight_transfer import broadcast
+
+        named = [(n, t.detach().contiguous()) for n, t in named_tensors]
+        body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "group_name": self.group_name,
+                "flush_cache": flush_cache}
+        start = time.perf_counter()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(self.http.post, "/update_weights_from_distributed", json=body)
+            for _, tensor in named:
+                broadcast(self.group, tensor.to(self.device))
+            response = answer.result()
+        if response.status_code != 200:
+            raise RuntimeError(f"update_weights_from_distributed failed ({response.status_code}): {response.text}")
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        return PushReport(time.perf_counter() - start, nbytes, 1, len(named))
+
+    def close(self) -> None:
+        """Destroy the group on both ends."""
+        from torpor.engine.weight_transfer import destroy_group_handle
+
+        try:
+            self.http.post("/destroy_weights_update_group", json={"group_name": self.group_name})
+        finally:
+            destroy_group_handle(self.group)
+            self.http.close()
+

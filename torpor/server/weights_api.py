@@ -1,0 +1,130 @@
+"""Weights from a trainer process (admin token required), SGLang's routes and bodies:
+
+- `POST /update_weights_from_tensor` {"serialized_named_tensors": [str, ...], "load_format": null |
+  "flattened_bucket", "flush_cache": true}: tensors by reference (CUDA IPC, or shared memory on CPU).
+- `POST /init_weights_update_group` {"master_address", "master_port", "rank_offset", "world_size",
+  "group_name", "backend"}, `POST /update_weights_from_distributed` {"names", "dtypes", "shapes",
+  "group_name", "flush_cache"}, `POST /destroy_weights_update_group` {"group_name"}: a process group
+  to the trainer (its rank 0 broadcasts every tensor in order).
+
+The payloads are unpickled by a restricted unpickler (torch tensors and storages only, see
+torpor/engine/weight_transfer.py); anything else is a 400 and is never called. Weights asleep: 409.
+Success answers `{"success": true, "message", "num_tensors", "seconds", "is_sleeping", "serving"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict
+
+from torpor.engine import weight_transfer
+from torpor.server.auth import require_admin
+from torpor.server.control import _run, _state
+
+if TYPE_CHECKING:
+    from torpor.server.app import ServerState
+
+router = APIRouter(dependencies=[Depends(require_admin)])
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
+
+
+class UpdateFromTensorRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SGLang clients send more (weight_version, ...)
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+
+
+class InitGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str | None = None  # None: nccl on GPU, gloo on CPU
+    timeout: float = weight_transfer.DEFAULT_GROUP_TIMEOUT_S  # seconds for the group to form (torpor's)
+
+
+class UpdateFromDistributedRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+
+
+class DestroyGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    group_name: str = DEFAULT_GROUP
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(body: UpdateFromTensorRequest, request: Request) -> dict:
+    return await _update_from_tensor(request.app.state.server, **body.model_dump())
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(body: InitGroupRequest, request: Request) -> dict:
+    return await _init_group(request.app.state.server, **body.model_dump())
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(body: UpdateFromDistributedRequest, request: Request) -> dict:
+    return await _update_from_distributed(request.app.state.server, **body.model_dump())
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(body: DestroyGroupRequest, request: Request) -> dict:
+    return await _destroy_group(request.app.state.server, **body.model_dump())
+
+
+async def _update_from_tensor(server: ServerState, serialized_named_tensors: list[str], load_format: str | None = None,
+                              flush_cache: bool = True, **_: Any) -> dict:
+    start = time.perf_counter()
+    count = await _run(server.engine.call(weight_transfer.update_weights_from_tensor, server.engine.engine,
+                                          serialized_named_tensors, load_format, flush_cache))
+    return _done(server, f"loaded {count} tensors", start, count)
+
+
+async def _init_group(server: ServerState, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                      group_name: str = DEFAULT_GROUP, backend: str | None = None,
+                      timeout: float = weight_transfer.DEFAULT_GROUP_TIMEOUT_S, **_: Any) -> dict:
+    start = time.perf_counter()
+    args = (server.engine.engine, master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+    if server.engine.config.tensor_parallel_size == 1:
+        # The rendezvous waits for the trainer: off the engine thread, so requests keep being served.
+        await _run(asyncio.to_thread(weight_transfer.init_weights_update_group, *args))
+    else:  # every rank joins: through the engine's workers
+        await _run(server.engine.call(weight_transfer.init_weights_update_group, *args))
+    return _done(server, f"joined weights update group {group_name!r}", start)
+
+
+async def _update_from_distributed(server: ServerState, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                   group_name: str = DEFAULT_GROUP, flush_cache: bool = True, **_: Any) -> dict:
+    start = time.perf_counter()
+    count = await _run(server.engine.call(weight_transfer.update_weights_from_distributed, server.engine.engine,
+                                          names, dtypes, shapes, group_name, flush_cache))
+    return _done(server, f"loaded {count} tensors", start, count)
+
+
+async def _destroy_group(server: ServerState, group_name: str = DEFAULT_GROUP, **_: Any) -> dict:
+    start = time.perf_counter()
+    await _run(server.engine.call(weight_transfer.destroy_weights_update_group, server.engine.engine, group_name))
+    return _done(server, f"destroyed weights update group {group_name!r}", start)
+
+
+def _done(server: ServerState, message: str, start: float, count: int | None = None) -> dict:
+    return {"success": True, "message": message, "num_tensors": count, "seconds": time.perf_counter() - start,
+            **_state(server)}
+
+
+# `POST /collective_rpc {"method": ...}` reaches these too (control.py adds them to its allowlist).
+RPC_METHODS = {"update_weights_from_tensor": _update_from_tensor, "init_weights_update_group": _init_group,
+               "update_weights_from_distributed": _update_from_distributed,
+               "destroy_weights_update_group": _destroy_group}
