@@ -45,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=64, help="requests in the bit-exact batch")
     p.add_argument("--soak-cycles", type=int, default=20)
     p.add_argument("--skip-untagged", action="store_true", help="skip the untagged-runtime comparison")
+    p.add_argument("--soak-only", action="store_true", help="only the bit-exact harness and the soak (a long soak "
+                   "with --soak-cycles: every cycle exact, device and host-RSS slopes)")
     p.add_argument("--loader-only", action="store_true", help="only the weight-loading rows (reload old vs new "
                    "path, level-2 wake + reload, cold start phases)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -350,6 +352,8 @@ def run(args: argparse.Namespace) -> int:
         return run_level3(args, model, results)
     if args.loader_only:
         return run_loader(model, args, results)
+    if args.soak_only:
+        return run_soak(model, args, results)
     if not args.skip_untagged:
         llm, _ = build(model, args, untagged_phases=("runtime",))
         results["untagged_runtime"] = memory_figures(llm, device, 1)
@@ -380,6 +384,34 @@ def run(args: argparse.Namespace) -> int:
                            device_slope_mib=soaked.drift(soaked.device_bytes),
                            host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes))
     report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
+    return 0 if exact else 1
+
+
+def run_soak(model: str, args: argparse.Namespace, results: dict) -> int:
+    """`--soak-only`: the harness, then `--soak-cycles` cycles over every scenario, each compared exactly."""
+    from torpor.engine.sleep_harness import fixed_requests, run_harness, soak
+
+    llm, results["cold_start_s"] = build(model, args)
+    requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
+    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
+                          for s in run_harness(llm, requests)]
+    start = time.perf_counter()
+    soaked = soak(llm, requests[:16], args.soak_cycles, log=print)
+    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles, seconds=time.perf_counter() - start,
+                           device_slope_mib=soaked.drift(soaked.device_bytes),
+                           host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes),
+                           device_mib_first_last=[soaked.device_bytes[0] / MiB, soaked.device_bytes[-1] / MiB],
+                           host_rss_mib_first_last=[soaked.host_rss_bytes[0] / MiB, soaked.host_rss_bytes[-1] / MiB])
+    s = results["soak"]
+    print(f"soak: {s['exact']}/{s['cycles']} cycles exact in {s['seconds']:.0f} s; device drift "
+          f"{s['device_slope_mib']:+.4f} MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.4f} MiB/cycle (slope of "
+          f"each scenario's readings, the largest); device {s['device_mib_first_last'][0]:.0f} -> "
+          f"{s['device_mib_first_last'][1]:.0f} MiB, host RSS {s['host_rss_mib_first_last'][0]:.0f} -> "
+          f"{s['host_rss_mib_first_last'][1]:.0f} MiB", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
