@@ -57,7 +57,7 @@ def compare(got, want) -> tuple[int, int, float]:
         same_tokens += a.token_ids == b.token_ids
         bit_identical += a.token_ids == b.token_ids and a.logprobs == b.logprobs
         for x, y, ta, tb in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids, strict=True):
-            diff = max([diff] + [abs(x[t] - y[t]) for t in x.keys() & y.keys()])
+            diff = max([diff] + [abs(x[t].logprob - y[t].logprob) for t in x.keys() & y.keys()])
             if ta != tb:
                 break
     return same_tokens, bit_identical, diff
@@ -71,7 +71,7 @@ def greedy_divergences(got, want, params) -> list[tuple[int, int, float]]:
         if not p.is_greedy or a.token_ids == b.token_ids:
             continue
         j = next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
-        top = sorted(b.logprobs[j].values(), reverse=True)
+        top = sorted((e.logprob for e in b.logprobs[j].values()), reverse=True)
         found.append((i, j, top[0] - top[1]))
     return found
 

@@ -262,7 +262,7 @@ def level3_cycle(llm, level: int, name: str) -> dict:
 
 def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
     """Issue 15's figures; see the module docstring."""
-    from torpor.engine.sleep_harness import fixed_requests, level3_scenarios, level3_soak_scenarios, run_harness, soak
+    from torpor.engine.sleep_harness import level3_scenarios, level3_soak_scenarios, run_harness, soak
     from torpor.memory import checkpoint, cuda_driver
 
     checkpoint.check_support(cuda_driver.pci_bus_id(torch.cuda.current_device()))  # clear error if unsupported
@@ -286,7 +286,7 @@ def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
     rows.append(level3_cycle(llm, 3, "level 3 (again)"))
     rows.append(level3_cycle(llm, 4, "level 4 (+ reload_weights)"))
     results["rows"] = rows
-    requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
+    requests = harness_requests(llm, args)
     results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
                           for s in run_harness(llm, requests, cases=level3_scenarios())]
     soaked = soak(llm, requests[:16], args.soak_cycles, log=print, cases=level3_soak_scenarios())
@@ -333,7 +333,7 @@ def report_level3(r: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from torpor.cli.bench_memory import pinned_bandwidth
-    from torpor.engine.sleep_harness import fixed_requests, run_harness, soak
+    from torpor.engine.sleep_harness import run_harness, soak
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
@@ -376,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
               f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
     results["loader"] = loader_figures(llm, model, device)
-    requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
+    requests = harness_requests(llm, args)
     results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
                           for s in run_harness(llm, requests)]
     soaked = soak(llm, requests[:16], args.soak_cycles, log=print)
@@ -391,12 +391,20 @@ def run(args: argparse.Namespace) -> int:
     return 0 if exact else 1
 
 
+def harness_requests(llm, args: argparse.Namespace) -> list:
+    """The bit-exact batch: `--requests` mixed requests whose prompt + 32 output tokens fit max_model_len."""
+    from torpor.engine.sleep_harness import fixed_requests
+
+    return fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=min(256, args.max_model_len - 33),
+                          max_tokens=32)
+
+
 def run_soak(model: str, args: argparse.Namespace, results: dict) -> int:
     """`--soak-only`: the harness, then `--soak-cycles` cycles over every scenario, each compared exactly."""
-    from torpor.engine.sleep_harness import fixed_requests, run_harness, soak
+    from torpor.engine.sleep_harness import run_harness, soak
 
     llm, results["cold_start_s"] = build(model, args)
-    requests = fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=256, max_tokens=32)
+    requests = harness_requests(llm, args)
     results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
                           for s in run_harness(llm, requests)]
     start = time.perf_counter()

@@ -9,10 +9,13 @@ token ids, text, every output logprob and every prompt logprob.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from torpor.engine.loader import iter_checkpoint
 from torpor.engine.outputs import RequestOutput
@@ -98,10 +101,17 @@ def _cycle(level: int, wakes: list[list[str] | None], weights: str | None = None
             if i == 0 and weights == "reload":
                 llm.reload_weights()
             elif i == 0 and weights == "update":
-                llm.update_weights(iter_checkpoint(llm.config.model))  # as a trainer pushing weights
+                llm.update_weights(list(trainer_tensors(llm.config.model)))  # as a trainer pushing weights
         return slept, time.perf_counter() - start, asleep
 
     return run
+
+
+@functools.lru_cache(maxsize=1)
+def trainer_tensors(path: str) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The checkpoint's tensors, read once and kept in host memory: what a trainer holds and pushes every
+    cycle (reading the files again each cycle would measure the disk, not the push)."""
+    return tuple(iter_checkpoint(path))
 
 
 def scenarios() -> list[Scenario]:

@@ -18,7 +18,7 @@ from torpor.server.auth import require_api_key
 from torpor.server.errors import APIError
 
 if TYPE_CHECKING:
-    from torpor.server.app import ServerState
+    from torpor.server.state import ServerState
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

@@ -26,7 +26,7 @@ from torpor.server.auth import require_admin
 from torpor.server.control import _run, _state
 
 if TYPE_CHECKING:
-    from torpor.server.app import ServerState
+    from torpor.server.state import ServerState
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
