@@ -40,8 +40,9 @@ class Env:
     gemm: str
     # The `torpor` command: show the traceback of an error instead of its one-line message.
     traceback: bool
-    # Tensor parallelism's collectives on CUDA: "torpor" (default: a symmetric buffer that sleeps with the
-    # engine, tensor_exchange.py) or "nccl" (NCCL's communicator, ~1 GiB per GPU that stays while asleep).
+    # Tensor parallelism's collectives on CUDA: "nccl" (default: NCCL's communicator, ~1 GiB per GPU that stays
+    # while asleep) or "torpor" (a symmetric buffer that sleeps with the engine, tensor_exchange.py; opt-in
+    # until it has run on GPUs).
     tp_comm: str
     # torpor.memory debug switch: before a sleep keeps a host copy marked clean instead of copying again,
     # hash the device bytes and the copy and raise StaleCopyError if they differ (a write nobody declared).
@@ -58,7 +59,7 @@ class Env:
             api_key=os.environ.get("TORPOR_API_KEY") or None,
             gemm=_choice("TORPOR_GEMM", ("cublaslt", "torch")),
             traceback=os.environ.get("TORPOR_TRACEBACK", "") not in ("", "0"),
-            tp_comm=_choice("TORPOR_TP_COMM", ("torpor", "nccl")),
+            tp_comm=_choice("TORPOR_TP_COMM", ("nccl", "torpor")),
             verify_clean_copies=_choice("TORPOR_VERIFY_CLEAN_COPIES", ("0", "1")) == "1",
             debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
         )

@@ -1,11 +1,12 @@
 """Tensor-parallel state of this process (its rank, the group size) and the few collectives the layers use.
 
 One process per rank; the default process group holds them all. On CPU it is gloo and runs the
-collectives. On GPU the collectives go through a `TensorExchange` (a symmetric buffer every rank maps, see
-tensor_exchange.py) and the process group is gloo too, for control only: no NCCL communicator exists, so
-nothing of ~1 GiB per GPU stays while the engine sleeps. `TORPOR_TP_COMM=nccl` uses NCCL instead (its
-memory then stays asleep; for comparisons). Without `init_tensor_parallel` the process is rank 0 of 1 and
-every collective is the identity, so a single-device engine never touches torch.distributed.
+collectives. On GPU it is NCCL by default (its communicator's ~1 GiB per GPU stays while the engine sleeps);
+with `TORPOR_TP_COMM=torpor` the collectives go through a `TensorExchange` (a symmetric buffer every rank maps
+and that sleeps with the engine, see tensor_exchange.py) and the process group is gloo, for control only: no
+NCCL communicator exists. The exchange is opt-in until it has run on GPUs. Without `init_tensor_parallel`
+the process is rank 0 of 1 and every collective is the identity, so a single-device engine never touches
+torch.distributed.
 """
 
 from __future__ import annotations
