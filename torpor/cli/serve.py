@@ -50,8 +50,8 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tensor_parallel_size": ("split the model over N processes, one device each. On GPU, rank r uses the device r "
                              "places after --device (cuda:0..cuda:N-1 by default; CUDA_VISIBLE_DEVICES chooses "
                              "them), over NCCL (TORPOR_TP_COMM=torpor: torpor's exchange buffer); on CPU, N "
-                             "processes over gloo. Heads, kv heads, intermediate size and vocabulary must divide by N. Sleep, wake and "
-                             "weight updates reach every rank",
+                             "processes over gloo. Heads, kv heads, intermediate size and vocabulary must divide "
+                             "by N. Sleep, wake and weight updates reach every rank",
                              ("--tp",)),
     "tp_timeout_s": ("tensor parallel: seconds after which a silent worker counts as hung", ()),
     "seed": ("seeds requests that give no seed", ()),
