@@ -262,7 +262,7 @@ def level3_cycle(llm, level: int, name: str) -> dict:
 
 def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
     """Issue 15's figures; see the module docstring."""
-    from torpor.engine.sleep_harness import level3_scenarios, level3_soak_scenarios, run_harness, soak
+    from torpor.engine.sleep_harness import level3_scenarios, level3_soak_scenarios
     from torpor.memory import checkpoint, cuda_driver
 
     checkpoint.check_support(cuda_driver.pci_bus_id(torch.cuda.current_device()))  # clear error if unsupported
@@ -286,19 +286,9 @@ def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
     rows.append(level3_cycle(llm, 3, "level 3 (again)"))
     rows.append(level3_cycle(llm, 4, "level 4 (+ reload_weights)"))
     results["rows"] = rows
-    requests = harness_requests(llm, args)
-    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
-                          for s in run_harness(llm, requests, cases=level3_scenarios())]
-    soaked = soak(llm, requests[:16], args.soak_cycles, log=print, cases=level3_soak_scenarios())
-    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles,
-                           device_slope_mib=soaked.drift(soaked.device_bytes),
-                           host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes))
+    exact = harness_and_soak(llm, args, results, level3_scenarios(), level3_soak_scenarios())
     report_level3(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
-    return 0 if exact else 1
+    return finish(results, args, exact)
 
 
 def report_level3(r: dict) -> None:
@@ -333,7 +323,6 @@ def report_level3(r: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from torpor.cli.bench_memory import pinned_bandwidth
-    from torpor.engine.sleep_harness import run_harness, soak
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
@@ -376,19 +365,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
               f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
     results["loader"] = loader_figures(llm, model, device)
-    requests = harness_requests(llm, args)
-    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
-                          for s in run_harness(llm, requests)]
-    soaked = soak(llm, requests[:16], args.soak_cycles, log=print)
-    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles,
-                           device_slope_mib=soaked.drift(soaked.device_bytes),
-                           host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes))
+    exact = harness_and_soak(llm, args, results)
     report(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
-    return 0 if exact else 1
+    return finish(results, args, exact)
 
 
 def harness_requests(llm, args: argparse.Namespace) -> list:
@@ -401,29 +380,40 @@ def harness_requests(llm, args: argparse.Namespace) -> list:
 
 def run_soak(model: str, args: argparse.Namespace, results: dict) -> int:
     """`--soak-only`: the harness, then `--soak-cycles` cycles over every scenario, each compared exactly."""
-    from torpor.engine.sleep_harness import run_harness, soak
-
     llm, results["cold_start_s"] = build(model, args)
-    requests = harness_requests(llm, args)
-    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
-                          for s in run_harness(llm, requests)]
-    start = time.perf_counter()
-    soaked = soak(llm, requests[:16], args.soak_cycles, log=print)
-    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles, seconds=time.perf_counter() - start,
-                           device_slope_mib=soaked.drift(soaked.device_bytes),
-                           host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes),
-                           device_mib_first_last=[soaked.device_bytes[0] / MiB, soaked.device_bytes[-1] / MiB],
-                           host_rss_mib_first_last=[soaked.host_rss_bytes[0] / MiB, soaked.host_rss_bytes[-1] / MiB])
+    exact = harness_and_soak(llm, args, results)
     s = results["soak"]
     print(f"soak: {s['exact']}/{s['cycles']} cycles exact in {s['seconds']:.0f} s; device drift "
           f"{s['device_slope_mib']:+.4f} MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.4f} MiB/cycle (slope of "
           f"each scenario's readings, the largest); device {s['device_mib_first_last'][0]:.0f} -> "
           f"{s['device_mib_first_last'][1]:.0f} MiB, host RSS {s['host_rss_mib_first_last'][0]:.0f} -> "
           f"{s['host_rss_mib_first_last'][1]:.0f} MiB", flush=True)
+    return finish(results, args, exact)
+
+
+def harness_and_soak(llm, args: argparse.Namespace, results: dict, cases=None, soak_cases=None) -> bool:
+    """The bit-exact harness over `cases` (default: every scenario), then `--soak-cycles` cycles over
+    `soak_cases`; their figures into `results`. Returns whether every round was exact."""
+    from torpor.engine.sleep_harness import run_harness, soak
+
+    requests = harness_requests(llm, args)
+    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
+                          for s in run_harness(llm, requests, cases=cases)]
+    start = time.perf_counter()
+    soaked = soak(llm, requests[:16], args.soak_cycles, log=print, cases=soak_cases)
+    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles, seconds=time.perf_counter() - start,
+                           device_slope_mib=soaked.drift(soaked.device_bytes),
+                           host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes),
+                           device_mib_first_last=[soaked.device_bytes[0] / MiB, soaked.device_bytes[-1] / MiB],
+                           host_rss_mib_first_last=[soaked.host_rss_bytes[0] / MiB, soaked.host_rss_bytes[-1] / MiB])
+    return all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
+
+
+def finish(results: dict, args: argparse.Namespace, exact: bool) -> int:
+    """Write the JSON (when asked for); the exit code: 0 when every round was exact."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    exact = all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
     return 0 if exact else 1
 
 

@@ -229,11 +229,7 @@ def plan_copies(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequ
             copies.append(PlannedCopy(name, real, src))
         loaded.add((param_name, shard_id))
     if strict:
-        expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
-        missing = sorted(_hf_name(n, s, packed) for n, s in expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        _check_complete(params, loaded, packed)
     return copies
 
 
@@ -377,11 +373,16 @@ def _load_each(model: nn.Module, params: dict[str, nn.Parameter], named_tensors:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             loaded.add((param_name, shard_id))
     if strict:
-        expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
-        missing = sorted(_hf_name(n, s, packed) for n, s in expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        _check_complete(params, loaded, packed)
+
+
+def _check_complete(params: dict, loaded: set, packed: dict) -> None:
+    """ValueError naming the checkpoint tensors (Hugging Face names) that no loaded shard covered."""
+    expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
+    missing = sorted(_hf_name(n, s, packed) for n, s in expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
