@@ -2,15 +2,11 @@
 `openai` client): every option reaches the engine (the answer equals `LLM.generate` with the same
 `SamplingParams`), bad values and unbuilt features are a 400 naming the field."""
 
-import threading
-import time
-
 import httpx
 import openai
 import pytest
-import uvicorn
+from server_thread import ServerThread
 
-from torpor.cli.serve import bind_socket
 from torpor.engine import LLM, SamplingParams
 from torpor.server import ServerConfig, build_app
 
@@ -22,19 +18,9 @@ EOS = 1023  # the tiny model's <|im_end|>
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
     llm = LLM(tiny_model_path, **ENGINE)
-    sock = bind_socket("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv = uvicorn.Server(uvicorn.Config(build_app(llm.engine, ServerConfig("tiny")), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield llm, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60), \
-        httpx.Client(base_url=url, timeout=60)
-    uv.should_exit = True
-    thread.join(10)
+    with ServerThread(build_app(llm.engine, ServerConfig("tiny"))) as url:
+        yield llm, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60), \
+            httpx.Client(base_url=url, timeout=60)
 
 
 def engine_text(llm: LLM, prompt, **params) -> str:

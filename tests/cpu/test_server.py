@@ -6,7 +6,6 @@ metrics, an engine failure, and 64 concurrent requests after a wake."""
 import asyncio
 import json
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -15,10 +14,9 @@ import fastapi  # noqa: F401 - required by these tests
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from server_thread import ServerThread, wait_for
 
-from torpor.cli.serve import bind_socket
 from torpor.engine import LLM
 from torpor.engine.tokenizer import Tokenizer
 from torpor.server import ServerConfig, build_app
@@ -27,33 +25,6 @@ ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=16,
 ADMIN, API_KEY, MODEL = "admin-secret", "user-key", "tiny"
 CAP, BODY_LIMIT = 64, 64 * 1024
 GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
-
-
-class ServerThread:
-    """uvicorn serving `app` on a free port of 127.0.0.1 from a daemon thread."""
-
-    def __init__(self, app) -> None:
-        sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        wait_for(lambda: self.server.started, what="the server to start")
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "a condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,6 @@
 """The server on CUDA (tiny bf16 model, CUDA graphs): SGLang's per-tag `release_memory_occupation` frees
 exactly the named tags' device memory, and the resumed engine answers bit-identically. Prints the bytes."""
 
-import threading
-import time
-
 import pytest
 import torch
 
@@ -13,9 +10,8 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
+from server_thread import ServerThread  # noqa: E402
 
-from torpor.cli.serve import bind_socket  # noqa: E402
 from torpor.engine import LLM  # noqa: E402
 from torpor.engine.checkpoint import make_model  # noqa: E402
 from torpor.server import ServerConfig, build_app  # noqa: E402
@@ -29,21 +25,10 @@ BODY = {"prompt": [5, 17, 300, 42], "max_tokens": 24, "temperature": 0, "ignore_
 def server(tmp_path_factory):
     path = make_model("tiny", tmp_path_factory.mktemp("server-gpu") / "tiny", dtype="bfloat16", progress=False)
     llm = LLM(str(path), device="cuda", max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=256)
-    sock = bind_socket("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     app = build_app(llm.engine, ServerConfig("tiny", admin_token=ADMIN))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    with httpx.Client(base_url=url, timeout=60) as http, httpx.Client(
+    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as http, httpx.Client(
             base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
         yield http, admin
-    uv.should_exit = True
-    thread.join(10)
 
 
 def test_release_memory_occupation_frees_only_the_named_tags(server):
