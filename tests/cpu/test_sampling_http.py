@@ -17,9 +17,10 @@ EOS = 1023  # the tiny model's <|im_end|>
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    llm = LLM(tiny_model_path, **ENGINE)
-    with ServerThread(build_app(llm.engine, ServerConfig("tiny"))) as url:
-        yield llm, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60), \
+    served = LLM(tiny_model_path, **ENGINE)
+    reference = LLM(tiny_model_path, **ENGINE)  # its own engine: the server's thread alone drives the served one
+    with ServerThread(build_app(served.engine, ServerConfig("tiny"))) as url:
+        yield reference, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60), \
             httpx.Client(base_url=url, timeout=60)
 
 

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_thread import ServerThread, wait_for
 
-from torpor.engine import LLM
+from torpor.engine import LLM, SamplingParams
 from torpor.engine.tokenizer import Tokenizer
 from torpor.server import ServerConfig, build_app
 
@@ -460,3 +460,18 @@ def test_metrics(server):
     assert asleep[("torpor_memory_bytes", (("kind", "discarded"), ("tag", "kv_cache")))] > 0
     assert (asleep[("torpor_sleep_level", ())], after[("torpor_sleep_level", ())]) == (1, -1)
     assert (asleep[("torpor_serving", ())], after[("torpor_serving", ())]) == (0, 1)
+
+
+def test_the_llm_front_end_refuses_while_the_server_drives_its_engine(tiny_model_path):
+    """Two drivers of one engine would take each other's outputs (a flaky wrong answer once): while a server
+    serves an LLM's engine the LLM refuses, naming the server; once the server stops it works again."""
+    llm = LLM(tiny_model_path, **ENGINE)
+    expected = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].text
+    with ServerThread(build_app(llm.engine, ServerConfig(MODEL))) as url:
+        for call in (lambda: llm.generate("Hello"), lambda: llm.sleep(1), lambda: llm.memory_usage()):
+            with pytest.raises(RuntimeError, match="served by a running AsyncEngine"):
+                call()
+        served = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+                            timeout=60).json()
+        assert served["choices"][0]["text"] == expected
+    assert llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].text == expected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
@@ -93,7 +94,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, len(prompt_list))
-        with self._lock:
+        with self._driving():
             seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
             for seq in seqs:
                 self.engine.add_sequence(seq)
@@ -102,7 +103,7 @@ class LLM:
         try:
             with _progress(use_tqdm, len(seqs)) as advance:
                 while len(outputs) < len(seqs):
-                    with self._lock:
+                    with self._driving():
                         self._step_or_wait()
                         for request_id in mine & self._finished.keys():
                             outputs[request_id] = self._finished.pop(request_id)
@@ -114,6 +115,15 @@ class LLM:
                     self._finished.pop(request_id, None)
             raise
         return [self._for_python(outputs[seq.request_id], seq.sampling_params) for seq in seqs]
+
+    @contextlib.contextmanager
+    def _driving(self):
+        """The lock, held while this front end drives the engine; refused while a server drives it."""
+        with self._lock:
+            if self.engine.served_by is not None:
+                raise RuntimeError(f"this LLM's engine is served by {self.engine.served_by}, whose thread alone "
+                                   f"may drive it: send requests and sleep/wake calls to the server, or stop it first")
+            yield
 
     def _step_or_wait(self) -> None:
         """One engine step, or (not serving) wait up to `wait_if_asleep` for another thread to make the
@@ -134,7 +144,7 @@ class LLM:
     @property
     def state(self) -> EngineState:
         """The engine's `EngineState`: serving, sleep level, weights validity, per-tag state."""
-        with self._lock:
+        with self._driving():
             return self.engine.state()
 
     # ---- sleep mode --------------------------------------------------------------------------
@@ -145,7 +155,7 @@ class LLM:
         context released (0 MiB of device memory; CUDA, one GPU per process, driver >= 570; see
         docs/sleep-mode.md). `mode`: "wait" lets running requests finish first, "abort" ends them. Returns
         the memory report (None for a no-op or level 0). A sleep that fails leaves the engine as it was."""
-        with self._lock:
+        with self._driving():
             report = self.engine.sleep(level, mode)
             self._lock.notify_all()
             return report
@@ -153,24 +163,24 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None):
         """Wake the named tags (all when None); every wake also restores the runtime state. Requests
         waiting in `generate` run once every tag is awake. Returns a `WakeResult`."""
-        with self._lock:
+        with self._driving():
             result = self.engine.wake_up(tags)
             self._lock.notify_all()
             return result
 
     def is_sleeping(self) -> bool:
-        with self._lock:
+        with self._driving():
             return self.engine.is_sleeping()
 
     def reload_weights(self, path: str | None = None) -> None:
         """Reload the checkpoint (or the one at `path`) into the same weight tensors."""
-        with self._lock:
+        with self._driving():
             self.engine.reload_weights(path)
             self._lock.notify_all()
 
     def update_weights(self, named_tensors) -> int:
         """Copy `(hf_name, tensor)` pairs into the weights (all of them after a level-2 sleep)."""
-        with self._lock:
+        with self._driving():
             count = self.engine.update_weights(named_tensors)
             self._lock.notify_all()
             return count
@@ -178,13 +188,13 @@ class LLM:
     def memory_usage(self) -> dict:
         """Per-tag bytes and states, the sleep level, device memory in use (rank 0's device); under
         tensor parallelism also "ranks": each rank's device, its memory in use and its tags."""
-        with self._lock:
+        with self._driving():
             return self.engine.memory_usage()
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes and free rank 0's CUDA graphs and GEMM workspace;
         the LLM cannot generate afterwards."""
-        with self._lock:
+        with self._driving():
             self.engine.close()
 
     # ---- vLLM's surface ---------------------------------------------------------------------
@@ -237,7 +247,7 @@ class LLM:
         return with_logprob_objects(output, self.tokenizer, params.logprobs, params.prompt_logprobs)
     def reset_prefix_cache(self) -> bool:
         """Forget every KV block cached for prefix reuse (vLLM's name); True when done."""
-        with self._lock:
+        with self._driving():
             return self.engine.reset_prefix_cache()
     # ---- weights from a trainer process (SGLang's names; see weight_transfer.py) -------------
     def update_weights_from_tensor(self, named_tensors=None, load_format: str | None = None,
@@ -248,7 +258,7 @@ class LLM:
         is written; returns the number of tensors loaded."""
         from torpor.engine import weight_transfer
 
-        with self._lock:
+        with self._driving():
             count = weight_transfer.update_weights_from_tensor(self.engine, serialized_named_tensors, load_format,
                                                                flush_cache, named_tensors)
             self._lock.notify_all()
@@ -259,7 +269,7 @@ class LLM:
         """Join the trainer's process group `group_name` as rank `rank_offset` (+ tp rank), gloo or NCCL."""
         from torpor.engine import weight_transfer
 
-        with self._lock:
+        with self._driving():
             weight_transfer.init_weights_update_group(self.engine, master_address, master_port, rank_offset,
                                                       world_size, group_name, backend, timeout)
 
@@ -268,7 +278,7 @@ class LLM:
         """Receive the trainer's rank-0 broadcast of each named tensor, in order, then load them all."""
         from torpor.engine import weight_transfer
 
-        with self._lock:
+        with self._driving():
             count = weight_transfer.update_weights_from_distributed(self.engine, names, dtypes, shapes, group_name,
                                                                     flush_cache)
             self._lock.notify_all()
@@ -277,7 +287,7 @@ class LLM:
     def destroy_weights_update_group(self, group_name: str) -> None:
         from torpor.engine import weight_transfer
 
-        with self._lock:
+        with self._driving():
             weight_transfer.destroy_weights_update_group(self.engine, group_name)
 
 

@@ -111,6 +111,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._request_ids = itertools.count()
+        # Who drives this engine besides its own caller: set while a server's engine thread owns it (that
+        # thread alone may then step it, or another driver would take its outputs); `LLM` refuses meanwhile.
+        self.served_by: str | None = None
         self.host_reservation = self._reserve_host_copies()
 
     # ---- requests ----------------------------------------------------------------------

@@ -66,6 +66,9 @@ class AsyncEngine:
         """Start the engine thread; call from the event loop that will await the engine."""
         if self._thread is not None:
             raise RuntimeError("the AsyncEngine is already started")
+        if self.engine.served_by is not None:
+            raise RuntimeError(f"the engine is already served by {self.engine.served_by}")
+        self.engine.served_by = "a running AsyncEngine (the server)"
         self._loop = asyncio.get_running_loop()
         self._serving_event = asyncio.Event()
         if self.serving:
@@ -147,6 +150,12 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.engine.served_by = None  # the engine is free for another driver again
+
+    def _serve(self) -> None:
         try:
             _use_engine_device(self.engine)
             while True:
