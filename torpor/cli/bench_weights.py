@@ -109,10 +109,12 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         one_request.close()
     push_s = _median([p.seconds for p in pushes])
     result = {"push_s": push_s, "push_gbps": pushes[0].bytes / push_s / GB, "buckets": pushes[0].buckets,
+              "push_engine_s": _median([p.engine_seconds for p in pushes]),
               "rl_step": {k: _median([s[k] for s in steps]) for k in steps[0]},
               "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle,
               "push_one_request_s": _median(single)}
-    print(f"serve push: {push_s:.4f} s ({result['push_gbps']:.1f} GB/s, {pushes[0].buckets} buckets); "
+    print(f"serve push: {push_s:.4f} s ({result['push_gbps']:.1f} GB/s, {pushes[0].buckets} buckets; "
+          f"{result['push_engine_s']:.4f} s of it in the engine's handler); "
           f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
     return result

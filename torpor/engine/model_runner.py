@@ -198,10 +198,11 @@ class ModelRunner:
         stream (any other iterable) is checked tensor by tensor, so a bad one midway leaves a mix:
         `weights_valid` is then False until a complete update or a reload."""
         with self.engine_stream.scope():
-            if isinstance(named_tensors, list | tuple):
+            whole = isinstance(named_tensors, list | tuple)
+            if whole:
                 check_update(self.model, named_tensors, strict)
             with self._writing_weights():
-                count = load_named_tensors(self.model, named_tensors, strict=strict)
+                count = load_named_tensors(self.model, named_tensors, strict=strict, values_checked=whole)
                 self.model.reset_buffers()
         return count
 

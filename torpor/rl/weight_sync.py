@@ -45,10 +45,14 @@ class Bucket:
 
 @dataclass
 class PushReport:
+    """One push: `seconds` in all (bucketing, serializing, requests); `engine_seconds` of them the engine
+    spent loading (the servers' "seconds", or the in-process calls): the rest is the trainer's side and HTTP."""
+
     seconds: float
     bytes: int
     buckets: int
     tensors: int
+    engine_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -56,7 +60,7 @@ class PushReport:
 
     def __str__(self) -> str:
         return (f"{self.tensors} tensors, {self.bytes / 2**30:.3f} GiB in {self.buckets} bucket(s), "
-                f"{self.seconds:.4f} s, {self.gbps:.2f} GB/s")
+                f"{self.seconds:.4f} s ({self.engine_seconds:.4f} s in the engine), {self.gbps:.2f} GB/s")
 
 
 def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -153,7 +157,9 @@ class WeightPusher:
         """Returns once the engine has copied the buckets (the caller drops them afterwards)."""
         payload = buckets[0].payload() if len(buckets) == 1 else [b.payload() for b in buckets]
         if self.http is None:  # an in-process LLM: no pickling needed
+            start = time.perf_counter()
             self.target.update_weights_from_tensor(payload, load_format="flattened_bucket", flush_cache=flush_cache)
+            report.engine_seconds += time.perf_counter() - start
         else:
             response = self.http.post("/update_weights_from_tensor", json={
                 # one pickle per rank: each is opened once (it carries one reference to the trainer's memory)
@@ -162,6 +168,7 @@ class WeightPusher:
                 "flush_cache": flush_cache})
             if response.status_code != 200:
                 raise RuntimeError(f"update_weights_from_tensor failed ({response.status_code}): {response.text}")
+            report.engine_seconds += float(response.json().get("seconds") or 0.0)
         report.bytes += sum(b.nbytes for b in buckets)
         report.buckets += len(buckets)
         report.tensors += sum(len(b.metadata) for b in buckets)
