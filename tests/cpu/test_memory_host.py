@@ -280,3 +280,24 @@ def test_pinned_buffers_refuse_more_than_the_host_has_before_touching_it():
     with pytest.raises(MemoryError, match="MiB available"):
         HostBuffer.allocate(2 * total, "pinned")  # refused before any CUDA call
     check_available(MiB)  # a small one is fine
+
+
+def test_a_host_buffer_dropped_without_free_gives_its_memory_back():
+    """An engine that is never closed drops its buffers: collected, they unmap (after any unpinning)."""
+    import ctypes
+
+    from torpor.memory.host_buffer import HostBuffer
+
+    buffer = HostBuffer.allocate(64 * MiB, "pageable")
+    mapping = buffer._mmap
+    ctypes.memset(buffer.ptr, 1, 64 * MiB)
+    held = rss()
+    del buffer
+    gc.collect()
+    assert mapping.closed and rss() < held - 60 * MiB
+    freed = HostBuffer.allocate(MiB, "pageable")
+    freed.free()  # an explicit free runs the release once; collecting the object afterwards does nothing
+    mapping = freed._mmap
+    del freed
+    gc.collect()
+    assert mapping.closed

@@ -381,3 +381,28 @@ def test_reserve_host_pins_the_copies_before_the_first_sleep():
     mm.wake()
     assert torch.equal(w, ref) and big.isfinite().all()
     mm.close()
+
+
+def test_a_dropped_registered_buffer_is_unregistered_before_its_memory_is_unmapped():
+    """A registered buffer collected without free() (an engine never closed) must leave the driver no
+    registration of unmapped memory: the next mapping at that address would fail (ALREADY_MAPPED, then
+    "invalid argument" copies out of a pageable buffer there: seen in the 2026-12-01 GPU run 2)."""
+    from torpor.engine.weight_staging import _as_bytes
+    from torpor.memory import cuda_driver
+    from torpor.memory.cuda_driver import CudaDriverError
+    from torpor.memory.host_buffer import REGISTER_MIN_BYTES, HostBuffer
+
+    torch.cuda.init()
+    buffer = HostBuffer.allocate(REGISTER_MIN_BYTES, "pinned")
+    assert buffer._registered
+    ptr = buffer.ptr
+    del buffer
+    gc.collect()
+    with pytest.raises(CudaDriverError):  # not registered any more
+        cuda_driver.host_unregister(ptr)
+    for kind in ("pinned", "pageable"):  # memory mapped anew, possibly at that address, copies as any
+        again = HostBuffer.allocate(REGISTER_MIN_BYTES, kind)
+        view = _as_bytes(again)[: 1 << 20]
+        view.fill_(7)
+        assert torch.equal(view.cuda(non_blocking=True).cpu(), view)
+        again.free()

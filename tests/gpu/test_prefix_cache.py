@@ -45,9 +45,6 @@ def shared_prefix_workload(vocab_size: int, seed: int = 0):
     return prompts, params
 
 
-NEAR_TIE = 0.125  # bf16: a last-bit change moves logprobs by ~1e-2; tokens may flip only where the top 2 nearly tie
-
-
 def compare(got, want) -> tuple[int, int, float]:
     """(requests with equal tokens, requests bit-identical, largest logprob difference before any divergence)."""
     same_tokens = bit_identical = 0
@@ -95,8 +92,9 @@ def test_caching_on_equals_caching_off_with_cuda_graphs(model_path):
         print(f"\ncaching on ({name} cache) vs off: {same}/{len(prompts)} same tokens, {exact}/{len(prompts)} "
               f"bit-identical, largest logprob difference before a divergence {diff:.3g}; greedy divergences "
               f"(request, token, top-2 gap): {divergences or 'none'}")
-        assert diff < 0.1  # last-bit differences of bf16 GEMMs over fewer rows, nothing more
-        assert all(gap < NEAR_TIE for _, _, gap in divergences)  # tokens flip only at near-ties
+        # Row-invariant prefills (gemm.row_invariant, one attention kernel): a prompt gets the same bits whether
+        # prefilled whole or after a cached prefix, so caching changes no token and no logprob.
+        assert exact == len(prompts), f"{name}: {len(prompts) - exact} requests differ (largest difference {diff:.3g})"
     on.reset_prefix_cache()
     assert compare(on.generate(prompts, params), cold)[1] == len(prompts)  # the same (empty) cache: bit-exact
     on.close()

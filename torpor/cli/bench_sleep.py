@@ -7,11 +7,11 @@ seconds at levels 1 and 2 against bytes / measured pinned bandwidth; a full wake
 start of the same engine (load + profiling + graph capture); then the bit-exact harness
 (`--requests`, default 64) and a soak of `--soak-cycles` cycles.
 
-`--level3` measures issue 15 instead (CUDA only): start-up with and without the host copies reserved in
-the background (after one warm-up start, alternated twice, medians), the first level-1 sleep once they are, a re-sleep that keeps the weights' clean host copy,
-a sleep after a weight write, levels 3 and 4 (the CUDA context released: the process's device memory by
-NVML, sleep and wake seconds), the bit-exact harness over the level-3 paths, and a soak of `--soak-cycles`
-cycles alternating level 3 with levels 1 and 2.
+`--level3` measures issue 15 instead (CUDA only): start-up with and without the host copies reserved in the
+background (after one warm-up start, alternated twice, medians), the first level-1 sleep once they are, a
+re-sleep that keeps the weights' clean host copy, a sleep after a weight write, levels 3 and 4 (the CUDA context
+released: the process's device memory by NVML, sleep and wake seconds), the bit-exact harness over the level-3
+paths, and a soak of `--soak-cycles` cycles alternating level 3 with levels 1 and 2.
 
 Weights (`--loader-only` runs just these): the same reload through the plain loader (safe_open, one
 tensor at a time) and the staged loader (parallel reads into pinned staging buffers, async copies) side
@@ -243,13 +243,18 @@ def level3_cycle(llm, level: int, name: str) -> dict:
     sleep_s = time.perf_counter() - start
     asleep = llm.memory_usage()
     asleep_nvml = checkpoint.device_readings()
+    taken = checkpoint.current()  # the context's checkpoint (levels 3 and 4)
     start = time.perf_counter()
     llm.wake_up()
     if level in (2, 4):
         llm.reload_weights()
     wake_s = time.perf_counter() - start
     held = checkpoint.current()
-    row = dict(name=name, level=level, sleep_s=sleep_s, wake_s=wake_s,
+    restored = checkpoint.last_restore() if taken is not None else None
+    # What the driver took of the sleep and of the wake (the rest: the tags, the helper's pipe and NVML).
+    driver = dict(checkpoint_s=taken.seconds if taken else 0.0, checkpoint=taken.driver_s if taken else {},
+                  restore_s=restored.seconds if restored else 0.0, restore=restored.driver_s if restored else {})
+    row = dict(name=name, level=level, sleep_s=sleep_s, wake_s=wake_s, driver=driver,
                copied_mib=(report.bytes_copied if report else 0) / MiB,
                awake_mib=awake["device_used_bytes"] / MiB, asleep_mib=asleep["device_used_bytes"] / MiB,
                process_awake_mib=awake_nvml.get("process_bytes", -MiB) / MiB,
@@ -257,7 +262,11 @@ def level3_cycle(llm, level: int, name: str) -> dict:
                context_released=asleep["context_released"], checkpoint_active_after_wake=held is not None)
     print(f"{name}: sleep {sleep_s:.3f} s (copied {row['copied_mib']:.0f} MiB), wake {wake_s:.3f} s; process "
           f"{row['process_awake_mib']:.0f} MiB awake, {row['process_asleep_mib']:.0f} MiB asleep (NVML); device in "
-          f"use asleep {row['asleep_mib']:.0f} MiB", flush=True)
+          f"use asleep {row['asleep_mib']:.0f} MiB" + (
+              f"; of the sleep, the context's checkpoint {driver['checkpoint_s']:.3f} s, of the wake its restore "
+              f"{driver['restore_s']:.3f} s (driver: " + ", ".join(
+                  f"{k} {v:.3f} s" for k, v in {**driver['checkpoint'], **driver['restore']}.items()) + ")"
+              if taken else ""), flush=True)
     return row
 
 

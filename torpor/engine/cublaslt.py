@@ -12,6 +12,11 @@ cuBLASLt path does.
 Each (shape, dtype, alignment, workspace size) gets a plan, made once: the operation and layout
 descriptors and the heuristic's algorithm. A call then costs one ctypes call to `cublasLtMatmul`, which
 CUDA graphs capture like any kernel launch.
+
+Row-invariant calls (the engine's prefills, see gemm.row_invariant) use one algorithm per weight shape for
+every row count m: the heuristic's choice for INVARIANT_ROWS rows and no workspace (so no split-K
+reduction). An algorithm computes each output element by the same sequence of operations whatever m is;
+a per-m choice would give a row of a 3-row GEMM other bits than the same row of a 3,000-row one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+import warnings
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -35,6 +41,7 @@ _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _PREF_MAX_WORKSPACE_BYTES, _PREF_MIN_ALIGNMENT_A, _PREF_MIN_ALIGNMENT_B, _PREF_MIN_ALIGNMENT_D = 1, 5, 6, 8
 _PREF_MIN_ALIGNMENT_C = 7
 MAX_PLANS = 4096  # distinct prefill lengths make new plans; the least recently used go beyond this
+INVARIANT_ROWS = 512  # the row count whose heuristic algorithm serves every row count of a row-invariant call
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta (host scalars, float for every dtype)
 
 
@@ -59,6 +66,7 @@ class _Key(NamedTuple):
     align_y: int
     workspace_bytes: int
     tf32: bool
+    row_invariant: bool = False
 
 
 class _Plan(NamedTuple):
@@ -103,10 +111,11 @@ class CublasLt:
         self._lock = threading.Lock()  # plans are shared; a bias plan's pointer is set per call
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stream: int,
-               workspace: torch.Tensor | None) -> torch.Tensor:
+               workspace: torch.Tensor | None, row_invariant: bool = False) -> torch.Tensor:
         """x [..., k] @ weight [n, k]^T (+ bias [n]) -> [..., n], enqueued on `stream` (a CUDA stream handle of
         the device); `workspace` (uint8, on the device, used by no other stream) lets cuBLASLt pick split-K
-        kernels (None: only algorithms that need none)."""
+        kernels (None: only algorithms that need none). `row_invariant`: one algorithm for every row count
+        (see the module's docstring)."""
         n, k = weight.shape
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
@@ -119,8 +128,10 @@ class CublasLt:
             ld_x = k if m == 1 else x2.stride(0)
             ws_ptr, ws_bytes = (workspace.data_ptr(), workspace.numel()) if workspace is not None else (0, 0)
             key = _Key(x.dtype, m, n, k, ld_x, bias is not None, _alignment(x2.data_ptr()),
-                       _alignment(weight.data_ptr()), _alignment(y.data_ptr()), ws_bytes,
-                       x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+                       _alignment(weight.data_ptr()), _alignment(y.data_ptr()), 0 if row_invariant else ws_bytes,
+                       x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, row_invariant)
+            if row_invariant:
+                ws_ptr, ws_bytes = 0, 0
             with self._lock:
                 plan = self._plan(key)
                 if bias is not None:
@@ -161,8 +172,25 @@ class CublasLt:
             self._check("cublasLtMatrixLayoutCreate", lib.cublasLtMatrixLayoutCreate(
                 ctypes.byref(layout), dtype, rows, cols, ld))
             layouts.append(layout)
-        algo = self._heuristic(key, desc, layouts)
+        algo = self._invariant_algo(key, desc, layouts) if key.row_invariant else self._heuristic(key, desc, layouts)
         return _Plan(desc, (layouts[0], layouts[1], layouts[2]), algo)
+
+    def _invariant_algo(self, key: _Key, desc: ctypes.c_void_p, layouts: list[ctypes.c_void_p]) -> _HeuristicResult:
+        """The algorithm of this weight shape's reference plan (INVARIANT_ROWS dense rows, 16-byte alignment,
+        no workspace) for `key`'s row count. Where cuBLASLt refuses it (an operand aligned below 16 bytes),
+        the heuristic's own choice with a warning: right answers, but that row count's bits may differ."""
+        reference = self._plan(key._replace(m=INVARIANT_ROWS, ld_x=key.k, align_x=16, align_w=16, align_y=16,
+                                            row_invariant=False))
+        checked = _HeuristicResult()
+        w, x, y = layouts
+        status = self.lib.cublasLtMatmulAlgoCheck(self.handle, desc, w, x, y, y, ctypes.byref(reference.algo.algo),
+                                                  ctypes.byref(checked))
+        if status == 0 and checked.workspace_size == 0:
+            return reference.algo
+        warnings.warn(f"torpor: cuBLASLt's row-invariant algorithm does not serve m={key.m}, n={key.n}, k={key.k} "
+                      f"({key.dtype}, alignments {key.align_x}/{key.align_w}/{key.align_y}; cublasStatus {status}): "
+                      "its rows may differ in the last bits from the same rows computed in another batch", stacklevel=4)
+        return self._heuristic(key, desc, layouts)
 
     def _heuristic(self, key: _Key, desc: ctypes.c_void_p, layouts: list[ctypes.c_void_p]) -> _HeuristicResult:
         lib = self.lib

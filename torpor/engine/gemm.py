@@ -7,9 +7,12 @@ with the engine at the same address (captured graphs hold it)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import threading
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,16 +38,46 @@ def set_workspace(stream: int, workspace: torch.Tensor | None) -> None:
         _WORKSPACES[stream] = workspace
 
 
+_ROW_INVARIANT = contextvars.ContextVar("torpor_row_invariant_gemms", default=False)
+CPU_ROW_MULTIPLE = 16  # see row_invariant()
+
+
+@contextlib.contextmanager
+def row_invariant() -> Iterator[None]:
+    """Within: every row of `linear`'s output is computed the same however many rows come with it. The
+    engine's prefills run so, so that a prompt prefilled after a cached prefix (a few rows) gets the bits of
+    the same prompt prefilled whole (many rows): prefix caching changes no answer. On CUDA one cuBLASLt
+    algorithm per weight shape serves every row count (cublaslt.py); on CPU the rows are padded to a multiple
+    of CPU_ROW_MULTIPLE (PyTorch's CPU GEMMs compute a row differently when the row count leaves a remainder
+    of 1-3; measured, fp32). Not with TORPOR_GEMM=torch on CUDA."""
+    token = _ROW_INVARIANT.set(True)
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k], weight [n, k], bias [n] or None -> [..., n], like F.linear."""
-    if not x.is_cuda or x.dtype not in _SUPPORTED or weight.dtype != x.dtype or _use_torch() or (
+    if not x.is_cuda:
+        return _cpu_linear(x, weight, bias) if _ROW_INVARIANT.get() else F.linear(x, weight, bias)
+    if x.dtype not in _SUPPORTED or weight.dtype != x.dtype or _use_torch() or (
             bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
     backend = _backend(x.device)
     if backend is None:
         return F.linear(x, weight, bias)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    return backend.linear(x, weight, bias, stream, _WORKSPACES.get(stream))
+    return backend.linear(x, weight, bias, stream, _WORKSPACES.get(stream), row_invariant=_ROW_INVARIANT.get())
+
+
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    pad = -rows.shape[0] % CPU_ROW_MULTIPLE
+    if not pad:
+        return F.linear(x, weight, bias)
+    rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    return F.linear(rows, weight, bias)[:-pad].view(*x.shape[:-1], weight.shape[0])
 
 
 def _backend(device: torch.device):

@@ -3,6 +3,7 @@ that CUDA graphs read at fixed addresses."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +48,11 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device)
     # Two host->device copies: the int64 and the int32 inputs, each packed in one tensor.
     num_tokens, num_seqs = len(input_ids), len(seqs)
     longs = torch.tensor(input_ids + positions + slots + [i - 1 for i in cu_seqlens[1:]], dtype=torch.int64)
-    ints = torch.tensor(cu_seqlens + context_lens + [b for row in tables for b in row], dtype=torch.int32)
+    cu_contexts = [0, *itertools.accumulate(context_lens)]
+    ints = torch.tensor(cu_seqlens + cu_contexts + context_lens + [b for row in tables for b in row], dtype=torch.int32)
     longs, ints = longs.to(device, non_blocking=True), ints.to(device, non_blocking=True)
     input_ids_t, positions_t, slots_t, last = longs.split([num_tokens, num_tokens, num_tokens, num_seqs])
-    cu_t, lens_t, tables_t = ints.split([num_seqs + 1, num_seqs, num_seqs * width])
+    cu_t, cu_k_t, lens_t, tables_t = ints.split([num_seqs + 1, num_seqs + 1, num_seqs, num_seqs * width])
     metadata = AttentionMetadata(
         is_prefill=True,
         slot_mapping=slots_t,
@@ -59,6 +61,7 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device)
         cu_seqlens_q=cu_t,
         max_seqlen_q=max(cu_seqlens[i + 1] - cu_seqlens[i] for i in range(num_seqs)),
         max_context_len=max(context_lens),
+        cu_seqlens_k=cu_k_t,
     )
     return PrefillBatch(input_ids_t, positions_t, metadata, cu_seqlens[:-1], last)
 

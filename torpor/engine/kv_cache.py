@@ -98,6 +98,7 @@ def _profile_step(config: EngineConfig, model: nn.Module, model_config: ModelCon
         cu_seqlens_q=cu_seqlens.to(device),
         max_seqlen_q=max(lens),
         max_context_len=max(lens),
+        cu_seqlens_k=cu_seqlens.to(device),
     )
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, metadata)

@@ -31,6 +31,7 @@ from torpor.engine.config import EngineConfig
 from torpor.engine.cuda_graphs import CudaGraphRunner, run_decode
 from torpor.engine.distributed import min_over_ranks, tp_size
 from torpor.engine.engine_stream import EngineStream
+from torpor.engine.gemm import row_invariant
 from torpor.engine.inputs import DecodeBuffers, prepare_prefill
 from torpor.engine.kv_cache import (
     PROMPT_LOGPROBS_CHUNK,
@@ -238,7 +239,10 @@ class ModelRunner:
             return self._compute_logits(seqs, is_prefill)
 
     def _compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        return self._prefill(seqs) if is_prefill else self._decode(seqs)
+        if not is_prefill:
+            return self._decode(seqs)
+        with row_invariant():  # a prompt's bits must not depend on its batch: prefix caching changes no answer
+            return self._prefill(seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Computes the sequences that are not `shares_prefill`; a forked sample (right after the sample it

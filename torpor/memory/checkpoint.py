@@ -60,9 +60,14 @@ class CheckpointReport:
     seconds: float  # the whole call, pipe round trip included
     held_bytes: int  # device memory the checkpoint took from the process: what a restore needs
     device: dict = field(default_factory=dict)  # NVML after the call: total/free/used/process bytes ({} unknown)
+    # The driver's calls, timed by the helper: lock_s + checkpoint_s, or restore_s + unlock_s; `seconds` minus
+    # their sum is the pipe round trip and the helper's NVML readings.
+    driver_s: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"{self.kind}: {self.held_bytes / 2**20:.0f} MiB of CUDA context in {self.seconds * 1e3:.0f} ms"
+        driver = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.driver_s.items())
+        return (f"{self.kind}: {self.held_bytes / 2**20:.0f} MiB of CUDA context in {self.seconds * 1e3:.0f} ms"
+                + (f" (driver: {driver})" if driver else ""))
 
 
 class CheckpointHelper:
@@ -164,6 +169,7 @@ class _suppress:
 _HELPER: CheckpointHelper | None = None
 _HELPER_LOCK = threading.Lock()
 _CURRENT: CheckpointReport | None = None  # set while this process is checkpointed
+_LAST_RESTORE: CheckpointReport | None = None  # the latest restore (its timings), for reports
 _PCI_BUS_ID: str | None = None
 
 
@@ -228,8 +234,12 @@ def checkpoint_process(pci_bus_id: str | None = None, lock_timeout_s: float = 10
                                   "until restore_process() succeeds") from None
         raise CheckpointError(f"{exc}; the process is running as before") from None
     _CURRENT = CheckpointReport("checkpoint", time.perf_counter() - start, int(reply["held_bytes"]),
-                                reply.get("after") or {})
+                                reply.get("after") or {}, _driver_seconds(reply, "lock_s", "checkpoint_s"))
     return _CURRENT
+
+
+def _driver_seconds(reply: dict, *names: str) -> dict:
+    return {name: float(reply[name]) for name in names if name in reply}
 
 
 def _recover() -> str:
@@ -248,10 +258,19 @@ def restore_process(timeout_s: float = 300.0) -> CheckpointReport | None:
     global _CURRENT
     if _CURRENT is None:
         return None
+    global _LAST_RESTORE
     start = time.perf_counter()
-    helper().request("restore", timeout_s, pid=os.getpid(), pci_bus_id=_PCI_BUS_ID, need_bytes=_CURRENT.held_bytes)
+    reply = helper().request("restore", timeout_s, pid=os.getpid(), pci_bus_id=_PCI_BUS_ID,
+                             need_bytes=_CURRENT.held_bytes)
     held, _CURRENT = _CURRENT.held_bytes, None
-    return CheckpointReport("restore", time.perf_counter() - start, held)
+    _LAST_RESTORE = CheckpointReport("restore", time.perf_counter() - start, held,
+                                     driver_s=_driver_seconds(reply, "restore_s", "unlock_s"))
+    return _LAST_RESTORE
+
+
+def last_restore() -> CheckpointReport | None:
+    """The latest restore of this process (what a level-3 wake spent in the driver), if any."""
+    return _LAST_RESTORE
 
 
 def device_readings(timeout_s: float = STATE_TIMEOUT_S) -> dict:

@@ -11,14 +11,16 @@ pinned memory is used and the kernel can swap them, at the cost of slower, stage
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 
-from torpor.memory import cuda_driver
+from torpor.memory import checkpoint, cuda_driver
 from torpor.memory.cuda_driver import CudaDriverError
 
 HOST_BACKUPS = ("pinned", "pageable")
@@ -28,11 +30,20 @@ _HUGE_PAGE = 2 << 20
 
 @dataclass(eq=False)
 class HostBuffer:
+    """Host memory of `size` bytes at `ptr`. `free()` gives it back; a buffer dropped without `free()` (an
+    engine that is never closed) gives it back when it is collected: its mmap must never be unmapped while
+    the driver still has it registered, or the next mapping at that address fails (CUDA_ERROR_ALREADY_MAPPED
+    from cuMemHostAlloc, "invalid argument" from a copy out of a pageable buffer placed there)."""
+
     ptr: int
     size: int
     kind: str
     _mmap: mmap.mmap | None = None
     _registered: bool = False  # pinned by cuMemHostRegister (else cuMemHostAlloc)
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(self, _release, self.ptr, self.kind, self._mmap, self._registered)
+        self._finalizer.atexit = False  # at exit the process gives everything back (and may be checkpointed)
 
     @classmethod
     def allocate(cls, size: int, kind: str) -> HostBuffer:
@@ -58,18 +69,34 @@ class HostBuffer:
         try:
             cuda_driver.host_register(ptr, size)
         except CudaDriverError:
+            with contextlib.suppress(CudaDriverError):  # never leave the driver a registration of unmapped memory
+                cuda_driver.host_unregister(ptr)
             m.close()
             return None
         return cls(ptr, size, "pinned", m, _registered=True)
 
     def free(self) -> None:
-        if self.kind == "pinned" and not self._registered:
-            cuda_driver.host_free_pinned(self.ptr)
-        else:
-            if self._registered:
-                cuda_driver.host_unregister(self.ptr)
-            self._mmap.close()
+        self._finalizer.detach()
+        _release(self.ptr, self.kind, self._mmap, self._registered)
         self.ptr = 0
+
+
+_KEPT: list[mmap.mmap] = []  # registered memory collected while the context was checkpointed: never unmapped
+
+
+def _release(ptr: int, kind: str, m: mmap.mmap | None, registered: bool) -> None:
+    """Unpin (unregister, or free what cuMemHostAlloc gave), then unmap: in that order. While the CUDA context
+    is checkpointed no driver call may be made: pinned memory is then kept (a leak, not a stale mapping)."""
+    if kind == "pinned" and checkpoint.is_checkpointed():
+        if m is not None:
+            _KEPT.append(m)
+        return
+    if kind == "pinned" and not registered:
+        cuda_driver.host_free_pinned(ptr)
+        return
+    if registered:
+        cuda_driver.host_unregister(ptr)
+    m.close()
 
 
 def check_available(size: int) -> None:

@@ -19,6 +19,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None  # [num_seqs + 1] int32, prefill only (packed varlen query)
     max_seqlen_q: int = 0  # prefill only
     max_context_len: int = 0
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill only: the contexts, packed
 
 
 class AttentionBackend(Protocol):

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from torpor.engine.attention.metadata import AttentionMetadata
+from torpor.engine.gemm import CPU_ROW_MULTIPLE
 
 
 class TorchAttentionBackend:
@@ -71,15 +72,18 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
     """q [q_len, num_heads, head_dim] attends to k/v [num_cached + q_len, num_kv_heads, head_dim];
-    query i sits at position num_cached + i and sees keys 0..num_cached + i (bottom-right causal)."""
-    groups = q.shape[1] // k.shape[1]
-    # [1, heads, len, head_dim]: PyTorch's fused kernels (flash, memory-efficient) take 4-D inputs only; 3-D
-    # ones fall back to the math path, whose GEMMs would create PyTorch's cuBLAS handle on CUDA.
+    query i sits at position num_cached + i and sees keys 0..num_cached + i (bottom-right causal).
+    Row-invariant: a query's output does not depend on how many queries came with it, so a prompt
+    prefilled after a cached prefix gets the bits of the same prompt prefilled whole (one mask rule for
+    both, and on CPU the query rows padded as gemm.row_invariant pads a GEMM's rows). The GPU's prefill
+    runs triton_backend.prefill_attention instead."""
+    q_len, groups = q.shape[0], q.shape[1] // k.shape[1]
+    pad = -q_len % CPU_ROW_MULTIPLE if q.device.type == "cpu" else 0
+    if pad:  # extra rows repeat the last query (and its mask row); their outputs are dropped
+        q = torch.cat([q, q[-1:].expand(pad, *q.shape[1:])])
+    # [1, heads, len, head_dim]: PyTorch's fused kernels take 4-D inputs only.
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
-    if num_cached == 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        q_pos = torch.arange(q.shape[2], device=q.device)[:, None] + num_cached
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
+    q_pos = torch.arange(q.shape[2], device=q.device).clamp(max=q_len - 1)[:, None] + num_cached
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [q_len + pad, ctx_len]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out[0, :, :q_len].transpose(0, 1)  # [q_len, num_heads, head_dim]
