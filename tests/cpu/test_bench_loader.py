@@ -20,6 +20,8 @@ def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
     assert set(loader["reload"]) == {"old_warm", "new_warm", "old_cold", "new_cold"}
     assert all(row["seconds"] > 0 and row["gbps"] > 0 for row in loader["reload"].values())
     assert loader["answers_unchanged"] and loader["level2_wake_reload"]["reload_s"] > 0
+    sweep = loader["staging_sweep"]  # the staged reload with other buffer sets, to choose the default from
+    assert len(sweep) == 5 and all(row["gbps"] > 0 and row["threads"] >= 1 for row in sweep.values())
     phases = report["cold_start_phases"]["phases"]
     assert {"imports", "model_build", "weight_load", "kv_cache_sizing", "kv_cache_allocation", "engine_other",
             "first_token"} <= phases.keys()

@@ -16,8 +16,9 @@ paths, and a soak of `--soak-cycles` cycles alternating level 3 with levels 1 an
 Weights (`--loader-only` runs just these): the same reload through the plain loader (safe_open, one
 tensor at a time) and the staged loader (parallel reads into pinned staging buffers, async copies) side
 by side, with the page cache warm (every shard read once just before) and cold (posix_fadvise
-DONTNEED on every shard first; no effect on tmpfs); a level-2 wake followed by a reload; and a cold
-start in a new process split into its phases (TORPOR_DEBUG's start-up lines).
+DONTNEED on every shard first; no effect on tmpfs); the staged reload with other numbers and sizes of
+staging buffers (`STAGING_SWEEP`, to choose the default from); a level-2 wake followed by a reload; and a
+cold start in a new process split into its phases (TORPOR_DEBUG's start-up lines).
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def loader_figures(llm, model: str, device: str) -> dict:
             rows[f"{name}_{cache}"] = dict(seconds=seconds, gbps=nbytes / 1e9 / seconds)
             print(f"reload {name} path, page cache {cache}: {seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s",
                   flush=True)
+    sweep = staging_sweep(local.model, model, device, nbytes, timed)
     warm_page_cache(files)
     llm.sleep(2)
     start = time.perf_counter()
@@ -181,7 +183,34 @@ def loader_figures(llm, model: str, device: str) -> dict:
     wake = dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
     print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
           flush=True)
-    return dict(checkpoint_gb=nbytes / 1e9, reload=rows, level2_wake_reload=wake)
+    return dict(checkpoint_gb=nbytes / 1e9, reload=rows, staging_sweep=sweep, level2_wake_reload=wake)
+
+
+# (staging buffers, MiB each) tried by `staging_sweep`; the first is the loader's default (weight_staging.py).
+STAGING_SWEEP = ((8, 128), (16, 64), (16, 128), (32, 32), (12, 128))
+
+
+def staging_sweep(model_module, model: str, device: str, nbytes: int, timed) -> dict:
+    """The staged reload, page cache warm, with other numbers and sizes of staging buffers (the reader
+    threads follow the number, up to the cores): what the default is chosen from. Each set is pinned by an
+    untimed load first; the best of two timed loads."""
+    from torpor.engine.loader import checkpoint_files, load_weights
+    from torpor.engine.weight_staging import StagingBuffers
+
+    warm_page_cache(checkpoint_files(model))
+    rows = {}
+    for count, mib in STAGING_SWEEP:
+        staging = StagingBuffers(device, buffer_bytes=mib << 20, count=count)
+        try:
+            timed(lambda staging=staging: load_weights(model_module, model, staging))
+            seconds = min(timed(lambda staging=staging: load_weights(model_module, model, staging)) for _ in range(2))
+        finally:
+            staging.close()
+        rows[f"{count}x{mib}MiB"] = dict(buffers=count, mib=mib, threads=staging.threads, seconds=seconds,
+                                         gbps=nbytes / 1e9 / seconds)
+        print(f"staged reload with {count} x {mib} MiB buffers ({staging.threads} threads), page cache warm: "
+              f"{seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s", flush=True)
+    return rows
 
 
 def _instanttensor_path(model, files, device: str):
