@@ -59,3 +59,19 @@ def test_prefill_attention_rows_do_not_depend_on_the_query_count(context):
     reference = torch.nn.functional.scaled_dot_product_attention(
         *(t.repeat_interleave(heads // t.shape[1], 1).transpose(0, 1).float() for t in (q, k, v)), attn_mask=mask)
     torch.testing.assert_close(whole.float(), reference.transpose(0, 1), atol=2e-2, rtol=2e-2)
+
+
+def test_packed_sequences_equal_each_sequence_alone():
+    """One varlen call over a packed batch (one sequence whole, one after a cached prefix) gives each sequence
+    the bits it gets alone: batch composition changes no answer either."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, scale = 16, 4, 128, 128**-0.5
+    lens = [(37, 37), (5, 300), (130, 130)]  # (new tokens, context) per sequence
+    qs = [torch.randn(q, heads, dim, dtype=torch.bfloat16, device="cuda") for q, _ in lens]
+    ks = [torch.randn(c, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _, c in lens]
+    vs = [torch.randn(c, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _, c in lens]
+    alone = [prefill_attention(q, k, v, scale) for q, k, v in zip(qs, ks, vs, strict=True)]
+    cu_q = torch.tensor([0, 37, 42, 172], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 37, 337, 467], dtype=torch.int32, device="cuda")
+    packed = prefill_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), scale, cu_q, cu_k, 130, 300)
+    assert torch.equal(packed, torch.cat(alone))

@@ -126,12 +126,11 @@ class CublasLt:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if m > 0:
             ld_x = k if m == 1 else x2.stride(0)
-            ws_ptr, ws_bytes = (workspace.data_ptr(), workspace.numel()) if workspace is not None else (0, 0)
+            ws = None if row_invariant else workspace  # row-invariant algorithms take none (no split-K)
+            ws_ptr, ws_bytes = (ws.data_ptr(), ws.numel()) if ws is not None else (0, 0)
             key = _Key(x.dtype, m, n, k, ld_x, bias is not None, _alignment(x2.data_ptr()),
-                       _alignment(weight.data_ptr()), _alignment(y.data_ptr()), 0 if row_invariant else ws_bytes,
+                       _alignment(weight.data_ptr()), _alignment(y.data_ptr()), ws_bytes,
                        x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, row_invariant)
-            if row_invariant:
-                ws_ptr, ws_bytes = 0, 0
             with self._lock:
                 plan = self._plan(key)
                 if bias is not None:
