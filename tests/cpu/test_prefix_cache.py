@@ -273,7 +273,7 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "generate", "--model", tiny_model_path, "--device", "cpu", "--num-prompts", "3",
                  "--prompt-len", "20", "--n", "3", "--output-len", "4", "--max-num-seqs", "16", "--hf-prompts", "1",
-                 "--hf-batch-size", "1", "--json", str(out)]) == 0
+                 "--hf-batch-size", "1", "--profile", "2", "--json", str(out)]) == 0
     import json
 
     result = json.loads(out.read_text())
@@ -282,3 +282,5 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
     assert result["cached"]["hit_rate"] == pytest.approx(2 / 3) and result["uncached"]["hit_rate"] == 0
     assert result["cached"]["computed_prompt_tokens"] == 3 * 20
     assert result["transformers"]["output_tokens"] == 3 * 4
+    profile = result["cached"]["profile"]  # where the time goes: the top operators (kernels on a GPU)
+    assert profile["busy_s"] > 0 and len(profile["top"]) == 20 and profile["top"][0]["ms"] > 0

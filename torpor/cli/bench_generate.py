@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--hf-prompts", type=int, default=16, help="prompts timed through transformers (0: skip)")
     p.add_argument("--hf-batch-size", type=int, default=8, help="prompts per transformers generate call")
+    p.add_argument("--profile", type=int, default=0, metavar="PROMPTS",
+                   help="also profile the engine (caching on) on this many of the prompts, <= 32 output tokens: the "
+                        "top kernels by device time and how busy the device was")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=run)
 
@@ -103,14 +106,52 @@ def bench_engine(path: Path, device: torch.device, prompts: list[list[int]], arg
     queries, hits = stats["queries"] - before["queries"], stats["hits"] - before["hits"]
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     assert num_tokens == len(prompts) * args.n * args.output_len, "every sample must produce output_len tokens"
+    profile = None
+    if caching and args.profile:
+        llm.reset_prefix_cache()
+        profile = profile_generate(llm, prompts[: args.profile], params[: args.profile], device)
     total_prompt = len(prompts) * args.n * args.prompt_len
     row = dict(output_tokens=num_tokens, seconds=seconds, tokens_per_s=num_tokens / seconds,
                hit_rate=hits / queries if queries else 0.0, computed_prompt_tokens=total_prompt - hits,
-               num_kv_blocks=llm.config.num_kv_blocks)
+               num_kv_blocks=llm.config.num_kv_blocks, **({"profile": profile} if profile else {}))
     llm.close()
     del llm, outputs
     _release(device)
     return row
+
+
+def profile_generate(llm, prompts: list[list[int]], params: list, device: torch.device, top: int = 20) -> dict:
+    """`generate` of `prompts` (at most 32 output tokens each) under torch.profiler: the `top` kernels (or, on
+    CPU, operators) by device time, and the device's busy time against the wall time (the rest is the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from torpor.engine import SamplingParams
+
+    short = [SamplingParams(temperature=p.temperature, seed=p.seed, n=p.n, max_tokens=min(32, p.max_tokens),
+                            ignore_eos=True) for p in params]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, short)
+        _sync(device)
+    wall = time.perf_counter() - start
+    on_device = device.type == "cuda"
+
+    def self_us(event) -> float:
+        if not on_device:
+            return event.self_cpu_time_total
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+    events = [e for e in prof.key_averages() if self_us(e) > 0]
+    busy = sum(self_us(e) for e in events) / 1e6
+    rows = sorted(events, key=self_us, reverse=True)[:top]
+    kernels = [dict(name=e.key[:90], ms=self_us(e) / 1e3, calls=e.count) for e in rows]
+    print(f"  profile ({len(prompts)} prompts, {short[0].max_tokens} output tokens, caching on): wall {wall:.3f} s, "
+          f"{'device busy' if on_device else 'operators'} {busy:.3f} s ({busy / wall:.0%}); top by self time:")
+    for k in kernels:
+        print(f"    {k['ms']:9.2f} ms  {k['calls']:6d} x  {k['name']}")
+    return dict(wall_s=wall, busy_s=busy, top=kernels)
 
 
 def bench_transformers(path: Path, device: torch.device, prompts: list[list[int]], args: argparse.Namespace):
