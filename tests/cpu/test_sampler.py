@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from torpor.engine.sampler import Sampler, compute_prompt_logprobs, random_bits
+from torpor.engine.sampler import Sampler, compute_prompt_logprobs, random_bits, random_bits_batch
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.sequence import Sequence
 
@@ -59,6 +59,9 @@ def test_random_bits_is_a_function_of_seed_and_step():
     assert random_bits(3, 0) == random_bits(3, 0)
     assert len({random_bits(3, s) for s in range(100)}) == 100
     assert all(0 <= random_bits(-1, s) < 2**26 for s in range(10))
+    seeds = [0, 1, -1, 2**63, 2**64 - 1, 12345678901234567890, -(2**63)] * 3
+    steps = list(range(len(seeds)))
+    assert random_bits_batch(seeds, steps) == [random_bits(a, b) for a, b in zip(seeds, steps, strict=True)]
 
 
 @pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5)])

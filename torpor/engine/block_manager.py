@@ -161,16 +161,20 @@ class BlockManager:
     # ---- decode --------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
         """Whether `seq` can grow to hold all its tokens (at most one new block per decode step)."""
-        return self._missing_blocks(seq) <= len(self._free)
+        missing = self._missing_blocks(seq)
+        return missing <= 0 or missing <= len(self._free)
 
     def may_append(self, seq: Sequence) -> None:
-        """Add a block to `seq` if its last token crossed into a new block; register blocks this step fills."""
+        """Add a block to `seq` if its last token crossed into a new block; register blocks this step fills.
+        (Called for every running sequence every decode step: the common case, nothing to do, is kept cheap.)"""
         missing = self._missing_blocks(seq)
-        if missing > len(self._free):
-            raise RuntimeError(f"{seq.request_id!r} needs {missing} more KV blocks, only "
-                               f"{len(self._free)} are free")
-        seq.block_table.extend(self._take(seq) for _ in range(missing))
-        self._register_full_blocks(seq)
+        if missing > 0:
+            if missing > len(self._free):
+                raise RuntimeError(f"{seq.request_id!r} needs {missing} more KV blocks, only "
+                                   f"{len(self._free)} are free")
+            seq.block_table.extend(self._take(seq) for _ in range(missing))
+        if self.enable_prefix_caching and len(seq.token_ids) // self.block_size > seq.num_registered_blocks:
+            self._register_full_blocks(seq)
 
     def deallocate(self, seq: Sequence) -> None:
         """Let go of `seq`'s blocks (each is freed when no other sequence holds it) and clear its cache state."""
@@ -190,7 +194,8 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     def _missing_blocks(self, seq: Sequence) -> int:
-        return max(0, self.num_blocks_for(len(seq)) - len(seq.block_table))
+        """Blocks `seq` lacks to hold its tokens (<= 0: none)."""
+        return -(-len(seq.token_ids) // self.block_size) - len(seq.block_table)
 
     # ---- blocks and keys -----------------------------------------------------------------
     def _take(self, seq: Sequence) -> int:

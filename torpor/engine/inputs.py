@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from torpor.engine.attention.metadata import AttentionMetadata
@@ -104,9 +105,10 @@ class DecodeBuffers:
         width = max(len(seq.block_table) for seq in seqs)
         tables = [seq.block_table + [scratch] * (width - len(seq.block_table)) for seq in seqs]
         tables += [[scratch] * width] * pad
-        self._host_tokens[:, :batch_size] = torch.tensor(token_rows, dtype=torch.int64)
-        self._host_lens_tables[:batch_size] = torch.tensor(context_lens + [0] * pad, dtype=torch.int32)
-        self._host_block_tables[:batch_size, :width] = torch.tensor(tables, dtype=torch.int32)
+        # numpy builds these from lists ~3x faster than torch.tensor (host time between two decode steps)
+        self._host_tokens[:, :batch_size] = torch.from_numpy(np.array(token_rows, dtype=np.int64))
+        self._host_lens_tables[:batch_size] = torch.from_numpy(np.array(context_lens + [0] * pad, dtype=np.int32))
+        self._host_block_tables[:batch_size, :width] = torch.from_numpy(np.array(tables, dtype=np.int32))
         if self._on_device:
             self.tokens.copy_(self._host_tokens, non_blocking=True)  # whole (contiguous), a few KB
             self.lens_tables[:batch_size].copy_(self._host_lens_tables[:batch_size], non_blocking=True)

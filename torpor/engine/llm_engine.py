@@ -235,7 +235,9 @@ class LLMEngine:
             request = self._requests.get(seq.request_id)
             if request is None:  # aborted while its step ran
                 continue
-            stop = request.texts[seq.index].update(seq.output_token_ids)
+            text = request.texts[seq.index]
+            # (only incremental texts read the tokens: the slice is not made for the others, every step)
+            stop = text.update(seq.output_token_ids) if text.incremental else None
             if stop is not None:
                 if seq.is_finished:  # ended by this token anyway (eos, length): the stop string names it
                     seq.finish_reason, seq.stop_reason = "stop", stop

