@@ -49,6 +49,10 @@ class Env:
     verify_clean_copies: bool = False
     # TORPOR_DEBUG=1: the engine's debug log (`torpor.engine`: start-up phases, weight loads) on stderr.
     debug: bool = False
+    # TORPOR_KV_PROFILE_CACHE=0: measure the activation peak that sizes the KV cache at every start-up instead of
+    # reading back the one an earlier start-up with the same model, options, code and GPU measured
+    # (engine/profile_cache.py).
+    kv_profile_cache: bool = True
 
     @classmethod
     def read(cls) -> Env:
@@ -62,4 +66,5 @@ class Env:
             tp_comm=_choice("TORPOR_TP_COMM", ("nccl", "torpor")),
             verify_clean_copies=_choice("TORPOR_VERIFY_CLEAN_COPIES", ("0", "1")) == "1",
             debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
+            kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
         )

@@ -26,3 +26,4 @@ def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
     assert {"imports", "model_build", "weight_load", "kv_cache_sizing", "kv_cache_allocation", "engine_other",
             "first_token"} <= phases.keys()
     assert "staged (torpor)" in result.stdout and "cold start in a new process" in result.stdout
+    assert {"imports", "weight_load", "kv_cache_sizing"} <= report["cold_start_phases_profiling"]["phases"].keys()

@@ -140,3 +140,36 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(checkpoints):
     # a generous budget: capped at every sequence at max_model_len (more blocks would never be used)
     llm = LLM(path, device="cuda", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=utilization(0.05))
     assert llm.config.num_kv_blocks == 8 * 256 // 16
+
+
+def test_a_restart_reads_the_profiled_step_back_and_sizes_the_cache_alike(checkpoints, tmp_path):
+    """Two start-ups in new processes with the same model and options: the first measures the worst-case step,
+    the second reads it back (profile_cache.py) and gets the same KV cache within the kernel code it counts
+    in advance, inside the same budget."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    budget = utilization(0.02)
+    code = textwrap.dedent(f"""
+        import json, time, torch
+        from torpor.engine import LLM
+        start = time.perf_counter()
+        llm = LLM({str(checkpoints["bfloat16"])!r}, device="cuda", max_model_len=4096, max_num_seqs=4096,
+                  enforce_eager=True, gpu_memory_utilization={budget})
+        free, total = torch.cuda.mem_get_info()
+        print(json.dumps(dict(blocks=llm.config.num_kv_blocks, used=total - free, total=total,
+                              seconds=time.perf_counter() - start)))
+    """)
+    env = {**os.environ, "TORPOR_CACHE": str(tmp_path), "TORPOR_DEBUG": "1"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert "from an earlier start-up" not in runs[0].stderr and "from an earlier start-up" in runs[1].stderr
+    print(f"\nKV blocks measuring {first['blocks']}, reading back {second['blocks']}; start-up {first['seconds']:.2f} "
+          f"s vs {second['seconds']:.2f} s")
+    assert 0.9 * first["blocks"] <= second["blocks"] <= first["blocks"] * 1.01
+    assert second["used"] <= budget * second["total"]

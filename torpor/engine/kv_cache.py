@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torpor.engine import profile_cache
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.config import EngineConfig
-from torpor.engine.distributed import tp_size
+from torpor.engine.distributed import tp_rank, tp_size
 from torpor.engine.models.config import ModelConfig
 from torpor.engine.sampler import Sampler, compute_prompt_logprobs
 from torpor.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -52,16 +53,15 @@ def gpu_num_kv_blocks(config: EngineConfig, model: nn.Module, model_config: Mode
     """Blocks that fit in gpu_memory_utilization of the device once the weights (already loaded), the
     peak of a worst-case step (measured) and `reserved_bytes` (decode workspace, graph buffers) are
     counted, capped at what max_num_seqs sequences of max_model_len tokens can use. The profiling step
-    allocates outside every memory tag and leaves nothing behind."""
+    allocates outside every memory tag and leaves nothing behind; a restart with the same model, options,
+    code and GPU reads its peak back instead of running it (profile_cache.py)."""
+    key = profile_cache.cache_key(config, model_config, device, tp_rank())
+    step, cached = profile_cache.step_memory(key, lambda: _measure_step(config, model, model_config, device))
     torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    _profile_step(config, model, model_config, device)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    torch.cuda.empty_cache()  # the profiling step's memory goes back to the device
+    torch.cuda.empty_cache()  # what the allocator caches goes back to the device: counted as free
     free, total = torch.cuda.mem_get_info(device)
+    # Read back, the step has not run: the kernel code its first run loads is not in `total - free` yet.
+    peak = step.peak_bytes + (step.outside_bytes if cached else 0)
     graph_reserve = 0 if config.enforce_eager else _graph_reserve(config, model_config)
     available = total * config.gpu_memory_utilization - (total - free) - peak - reserved_bytes - graph_reserve
     num_blocks = int(available // block_bytes) - 1  # minus the scratch block
@@ -74,6 +74,23 @@ def gpu_num_kv_blocks(config: EngineConfig, model: nn.Module, model_config: Mode
             f"needs {(peak + reserved_bytes + graph_reserve) / gib:.2f} GiB; raise gpu_memory_utilization or "
             f"lower max_model_len / max_num_batched_tokens / max_num_seqs")
     return min(num_blocks, _max_useful_blocks(config))
+
+
+def _measure_step(config: EngineConfig, model: nn.Module, model_config: ModelConfig,
+                  device: torch.device) -> profile_cache.StepMemory:
+    """Run a worst-case step (`_profile_step`): its peak in the allocator and what it left on the device
+    outside it (kernel code loaded on first use; other processes' changes meanwhile blur this reading)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    _profile_step(config, model, model_config, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()  # the profiling step's memory goes back to the device
+    outside = free_before - torch.cuda.mem_get_info(device)[0] - (torch.cuda.memory_allocated(device) - before)
+    return profile_cache.StepMemory(peak, max(0, outside))
 
 
 def _max_useful_blocks(config: EngineConfig) -> int:
