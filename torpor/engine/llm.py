@@ -193,8 +193,9 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes and free rank 0's CUDA graphs and GEMM workspace;
-        the LLM cannot generate afterwards."""
-        with self._driving():
+        the LLM cannot generate afterwards. The one call that proceeds while a server serves the engine
+        (a shutdown must always be able to give its resources back: stop the server first)."""
+        with self._lock:
             self.engine.close()
 
     # ---- vLLM's surface ---------------------------------------------------------------------
