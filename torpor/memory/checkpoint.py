@@ -255,10 +255,9 @@ def restore_process(timeout_s: float = 300.0) -> CheckpointReport | None:
     """Restore the checkpointed CUDA state and unlock the process (None if it is not checkpointed). Checks
     first that the device has the memory the checkpoint held: if not, CheckpointError and the process
     stays checkpointed (free memory, then retry)."""
-    global _CURRENT
+    global _CURRENT, _LAST_RESTORE
     if _CURRENT is None:
         return None
-    global _LAST_RESTORE
     start = time.perf_counter()
     reply = helper().request("restore", timeout_s, pid=os.getpid(), pci_bus_id=_PCI_BUS_ID,
                              need_bytes=_CURRENT.held_bytes)
