@@ -15,7 +15,9 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -120,6 +122,8 @@ def _anonymous_map(size: int) -> tuple[mmap.mmap, int]:
 
 
 _TOUCH_THREADS = min(16, os.cpu_count() or 1)
+BACKGROUND_TOUCH_THREADS = 2  # pinning for later (HostReservation): leave the cores to the start-up it runs beside
+_background = threading.local()
 
 
 @cache
@@ -127,9 +131,21 @@ def _touch_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(_TOUCH_THREADS, thread_name_prefix="torpor-pin")
 
 
+@contextlib.contextmanager
+def in_background() -> Iterator[None]:
+    """Within (on this thread): buffers are pinned by BACKGROUND_TOUCH_THREADS threads, not one per core,
+    so that pinning ahead of time does not take the CPU from the work it runs beside."""
+    _background.on = True
+    try:
+        yield
+    finally:
+        _background.on = False
+
+
 def _touch(ptr: int, size: int) -> None:
     """Fault the pages in from several threads (ctypes.memset releases the GIL): the kernel zeroes
     each new page, and one thread does that at ~5 GiB/s."""
-    step = -(-size // (_TOUCH_THREADS * _HUGE_PAGE)) * _HUGE_PAGE
-    starts = range(0, size, step)
+    threads = min(BACKGROUND_TOUCH_THREADS, _TOUCH_THREADS) if getattr(_background, "on", False) else _TOUCH_THREADS
+    step = -(-size // (threads * _HUGE_PAGE)) * _HUGE_PAGE
+    starts = range(0, size, step)  # `threads` pieces: no more than that run at once
     list(_touch_pool().map(lambda start: ctypes.memset(ptr + start, 0, min(step, size - start)), starts))

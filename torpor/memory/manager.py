@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from torpor.memory import checkpoint
+from torpor.memory import checkpoint, host_buffer
 from torpor.memory.checkpoint import CheckpointReport, CheckpointUnsupportedError, ContextCheckpointedError
 from torpor.memory.host_buffer import HOST_BACKUPS
 from torpor.memory.types import (
@@ -426,7 +426,8 @@ class HostReservation:
             del manager
             while not self._stop.is_set():
                 manager = self._manager()
-                made = manager._reserve_one(self.tags) if manager is not None else None
+                with host_buffer.in_background():  # a few threads pin: the start-up beside keeps the cores
+                    made = manager._reserve_one(self.tags) if manager is not None else None
                 del manager
                 if made is None:
                     break
