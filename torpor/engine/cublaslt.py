@@ -108,6 +108,7 @@ class CublasLt:
         with torch.cuda.device(device):
             self._check("cublasLtCreate", self.lib.cublasLtCreate(ctypes.byref(self.handle)))
         self._plans: OrderedDict[_Key, _Plan] = OrderedDict()
+        self._refused: set[tuple[int, int, torch.dtype]] = set()  # weight shapes warned about (_invariant_algo)
         self._lock = threading.Lock()  # plans are shared; a bias plan's pointer is set per call
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stream: int,
@@ -186,9 +187,12 @@ class CublasLt:
                                                   ctypes.byref(checked))
         if status == 0 and checked.workspace_size == 0:
             return reference.algo
-        warnings.warn(f"torpor: cuBLASLt's row-invariant algorithm does not serve m={key.m}, n={key.n}, k={key.k} "
-                      f"({key.dtype}, alignments {key.align_x}/{key.align_w}/{key.align_y}; cublasStatus {status}): "
-                      "its rows may differ in the last bits from the same rows computed in another batch", stacklevel=4)
+        if (key.n, key.k, key.dtype) not in self._refused:  # once per weight shape, not per row count
+            self._refused.add((key.n, key.k, key.dtype))
+            warnings.warn(f"torpor: cuBLASLt's row-invariant algorithm does not serve m={key.m}, n={key.n}, "
+                          f"k={key.k} ({key.dtype}, alignments {key.align_x}/{key.align_w}/{key.align_y}; cublasStatus "
+                          f"{status}): such rows may differ in the last bits from the same rows computed in another "
+                          "batch", stacklevel=4)
         return self._heuristic(key, desc, layouts)
 
     def _heuristic(self, key: _Key, desc: ctypes.c_void_p, layouts: list[ctypes.c_void_p]) -> _HeuristicResult:
