@@ -391,6 +391,101 @@ def test_unpickler_payload_limits():
         RestrictedUnpickler(buffer.getvalue(), max_bytes=100).load()
 
 
+
+NESTED_KEYS = """
+    from torpor.engine.weight_transfer import RefusedPickle, RestrictedUnpickler
+    nested = b")" + b"\\x85" * 700_000  # a tuple 700,000 deep: 700 KB, within the server's default 1 MiB body
+    for opcodes in (b"}" + nested + b"Ns", b"(" + nested + b"Nd", b"(" + nested + b"\\x91"):  # SETITEM, DICT, FROZENSET
+        payload = b"\\x80\\x04" + opcodes + b"."
+        try:
+            RestrictedUnpickler(payload, 1 << 20).load()
+            print("loaded")
+        except RefusedPickle:
+            print("refused")
+"""
+
+
+def test_a_deeply_nested_key_is_refused_not_a_crash():
+    """Hashing a deeply nested tuple (a dict key, a frozenset item) recurses in C: SIGSEGV, the server gone."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(NESTED_KEYS)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert result.returncode == 0, f"the unpickler died ({result.returncode}): {result.stderr[-1000:]}"
+    assert result.stdout.split() == ["refused"] * 3
+
+
+def _tensor_opcodes(t: torch.Tensor) -> bytes:
+    """The opcodes that rebuild `t` from shared memory (protocol 3: no frames; no PROTO, no STOP)."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer, 3).dump(t)
+    return buffer.getvalue()[2:-1]
+
+
+def test_container_opcodes_fill_only_plain_containers():
+    """The plain unpickler calls `x[k] = v`, `x.add(v)`, `x.append(v)` of whatever is on the stack, and a REDUCE
+    of torch.Size / OrderedDict iterates any argument: none of it may reach a tensor."""
+    from collections import OrderedDict
+
+    t = torch.zeros(4, 2)
+    tensor = _tensor_opcodes(t)
+    for payload in (b"\x80\x03" + tensor + b"NG\x40\x1c\x00\x00\x00\x00\x00\x00s.",  # t[None] = 7.0: fills it
+                    b"\x80\x03" + tensor + b"(K\x07\x90.",  # ADDITEMS: t.add(7), a new tensor the size of t
+                    b"\x80\x03" + tensor + b"K\x07a.",  # APPEND
+                    b"\x80\x03ccollections\nOrderedDict\n" + tensor + b"\x85R.",  # OrderedDict(t) iterates t
+                    b"\x80\x03ctorch\nSize\n" + _tensor_opcodes(torch.arange(4)) + b"\x85R."):  # torch.Size(t)
+        with pytest.raises(RefusedPickle, match=r"refused|takes|rebuilt empty"):
+            RestrictedUnpickler(payload, 1 << 20).load()
+    assert not t.any()  # the trainer's memory was not written
+    ok = RestrictedUnpickler(ForkingPickler.dumps([OrderedDict(a=t), {"b": torch.Size([2, 3])}, [t]]), 1 << 20).load()
+    assert ok[0]["a"].shape == (4, 2) and ok[1] == {"b": torch.Size([2, 3])} and ok[2][0].shape == (4, 2)
+
+
+def test_a_tensor_view_must_lie_inside_its_storage():
+    """torch's `set_` grows a resizable storage to fit the view (fresh uninitialized memory, outside the
+    payload's byte budget): the view is checked against the storage first (CUDA: before the IPC handle opens)."""
+    from torch.multiprocessing import reductions
+
+    class Empty:
+        def __reduce__(self):
+            return reductions.rebuild_storage_empty, (torch.UntypedStorage,)
+
+    class Typed:
+        def __reduce__(self):
+            return reductions.rebuild_typed_storage, (Empty(), torch.float32)
+
+    class View:
+        def __init__(self, *metadata) -> None:
+            self.metadata = metadata
+
+        def __reduce__(self):
+            return reductions.rebuild_tensor, (torch.Tensor, Typed(), self.metadata)
+
+    class CudaView:
+        def __reduce__(self):
+            return reductions.rebuild_cuda_tensor, (torch.Tensor, (1024,), (1,), 0, torch.storage.TypedStorage,
+                                                    torch.float32, 0, b"h" * 64, 16, 0, False, b"r", 0, None, False)
+
+    for view in (View(0, (1 << 20,), (1,), False), View(0, (2, 2), (1 << 40, 1), False), CudaView()):
+        with pytest.raises(RefusedPickle, match=r"a tensor view reaches \d+ bytes into a storage of \d+ bytes"):
+            RestrictedUnpickler(pickle.dumps(view), max_bytes=100).load()
+    assert RestrictedUnpickler(pickle.dumps(View(0, (0, 3), (3, 1), False)), 100).load().shape == (0, 3)
+
+
+def test_bad_bucket_metadata_is_a_value_error():
+    """A bucket's metadata that torch cannot view, or a dtype too deeply nested to print: a 400 (ValueError)
+    naming the problem, not a RuntimeError (409)."""
+    flat = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"element 1 of the torch\.uint8 bucket is not aligned to torch\.float32"):
+        named_tensors_of({"flattened_tensor": flat, "metadata": [("a", [1], torch.float32, 1, 5)]}, "flattened_bucket")
+    nested = []
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(ValueError, match="unknown dtype"):
+        named_tensors_of({"flattened_tensor": flat, "metadata": [("a", [4], nested, 0, 16)]}, "flattened_bucket")
+    with pytest.raises(ValueError, match="64-bit ints"):
+        named_tensors_of({"flattened_tensor": flat, "metadata": [("a", [1 << 64, 0], torch.float32, 0, 0)]},
+                         "flattened_bucket")
+
 # ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
 TP_TRAINER = """
     import sys, torch

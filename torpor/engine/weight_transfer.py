@@ -9,7 +9,8 @@ Two transports, one validation and one copy path:
   (the trainer sets the `file_system` sharing strategy). Unpickling a request body would be code execution:
   `RestrictedUnpickler` admits only torch's tensor and storage rebuild functions, dtypes, `torch.Size`,
   `torch.device` and plain containers, checks every shared-memory name and size before mapping it, and
-  refuses everything else (`RefusedPickle`, a ValueError: HTTP 400) without calling it.
+  refuses everything else (`RefusedPickle`, a ValueError: HTTP 400) without calling it; every tensor view must
+  lie inside its storage.
 - **A process group** (`init_weights_update_group` / `update_weights_from_distributed`): the trainer's rank 0
   broadcasts each tensor, in order; NCCL on GPU, gloo on CPU. The group is standalone: a `TCPStore` at the
   trainer's address, a `PrefixStore` per group name and a `ProcessGroupGloo` / `ProcessGroupNCCL` built on
@@ -34,6 +35,7 @@ import io
 import os
 import pickle
 import re
+import reprlib
 import stat
 import threading
 import time
@@ -124,8 +126,7 @@ class RestrictedUnpickler(pickle._Unpickler):
             (reductions, "rebuild_typed_storage"): self._rebuild_typed_storage,
             ("torch", "Tensor"): _TENSOR, ("torch.nn.parameter", "Parameter"): _PARAMETER,
             ("torch.storage", "UntypedStorage"): _UNTYPED, ("torch.storage", "TypedStorage"): _TYPED,
-            ("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
-            ("collections", "OrderedDict"): OrderedDict,
+            ("torch", "Size"): _size, ("torch", "device"): _device, ("collections", "OrderedDict"): _ordered_dict,
             _SGLANG_METADATA: SGLangBucketMetadata,
             **{("torch", name): dtype for name, dtype in _DTYPES.items()},
         }
@@ -137,6 +138,40 @@ class RestrictedUnpickler(pickle._Unpickler):
                 pickle.EXT2, pickle.EXT4):
         dispatch[_op[0]] = _refuse_opcode
     del _op
+
+    def _refuse_set(self, *_) -> None:
+        raise RefusedPickle("refused to unpickle a set (a weight payload holds none; hashing its items could "
+                            "overflow the C stack)")
+
+    for _op in (pickle.EMPTY_SET, pickle.ADDITEMS, pickle.FROZENSET):
+        dispatch[_op[0]] = _refuse_set
+    del _op
+
+    def _load_append(self) -> None:
+        value = self.stack.pop()
+        _extend(self.stack[-1], [value])
+
+    def _load_appends(self) -> None:
+        items = self.pop_mark()
+        _extend(self.stack[-1], items)
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()
+        self.append(_set_items({}, items))
+
+    def _load_setitem(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        _set_items(self.stack[-1], [key, value])
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()
+        _set_items(self.stack[-1], items)
+
+    dispatch[pickle.APPEND[0]] = _load_append
+    dispatch[pickle.APPENDS[0]] = _load_appends
+    dispatch[pickle.DICT[0]] = _load_dict
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
 
     def _load_newobj(self) -> None:
         """NEWOBJ only for SGLang's bucket metadata (a dataclass pickles as cls.__new__(cls) + BUILD)."""
@@ -171,9 +206,9 @@ class RestrictedUnpickler(pickle._Unpickler):
                 (dtype is not None and not isinstance(dtype, torch.dtype)):
             raise RefusedPickle("a shared-memory storage with malformed arguments")
         if handle is None or not _SHM_HANDLE.fullmatch(handle):
-            raise RefusedPickle(f"shared-memory name {handle!r} is not a torch shared-memory file")
+            raise RefusedPickle(f"shared-memory name {reprlib.repr(handle)} is not a torch shared-memory file")
         if manager is None or not _SHM_MANAGER.fullmatch(manager) or not _is_socket(manager):
-            raise RefusedPickle(f"{manager!r} is not a torch_shm_manager socket")
+            raise RefusedPickle(f"{reprlib.repr(manager)} is not a torch_shm_manager socket")
         nbytes = size * (torch._utils._element_size(dtype) if dtype is not None else 1)
         shm = Path("/dev/shm") / handle.lstrip("/")
         try:
@@ -194,13 +229,14 @@ class RestrictedUnpickler(pickle._Unpickler):
     def _rebuild_tensor(self, cls, storage, metadata):
         from torch.multiprocessing.reductions import rebuild_tensor
 
-        if cls not in (_TENSOR, _PARAMETER) or not isinstance(storage, torch.TypedStorage | torch.UntypedStorage):
+        if cls not in (_TENSOR, _PARAMETER) or not isinstance(storage, torch.TypedStorage) or \
+                not isinstance(metadata, tuple) or len(metadata) != 4:
             raise RefusedPickle("a tensor with malformed arguments")
-        _check_layout(metadata[1] if isinstance(metadata, tuple) and len(metadata) == 4 else None,
-                      metadata[2] if isinstance(metadata, tuple) and len(metadata) == 4 else None,
-                      metadata[0] if isinstance(metadata, tuple) and len(metadata) == 4 else None)
+        offset, size, stride, _ = metadata
+        _check_layout(size, stride, offset)
+        _check_inside(size, stride, offset, storage.dtype.itemsize, storage._untyped_storage.nbytes())
         self._counted_tensor()
-        return rebuild_tensor(torch.Tensor, storage, (*metadata[:3], False))  # bounds checked by set_()
+        return rebuild_tensor(torch.Tensor, storage, (offset, size, stride, False))
 
     def _rebuild_cuda_tensor(self, cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
                              storage_offset_bytes, requires_grad, ref_handle, ref_offset, event_handle, event_sync):
@@ -212,10 +248,11 @@ class RestrictedUnpickler(pickle._Unpickler):
                 or not all(isinstance(h, bytes) for h in (handle, ref_handle)) \
                 or not isinstance(event_handle, bytes | type(None)):
             raise RefusedPickle("a CUDA tensor with malformed arguments")
+        _check_layout(size, stride, offset)
+        _check_inside(size, stride, offset, dtype.itemsize, storage_bytes)
         if not torch.cuda.is_available():
             raise ValueError("the payload holds CUDA tensors (IPC handles) but this engine has no CUDA device; "
                              "on CPU send tensors in shared memory (sharing strategy 'file_system')")
-        _check_layout(size, stride, offset)
         self._count(storage_bytes)
         self._counted_tensor()
         tensor = rebuild_cuda_tensor(torch.Tensor, size, stride, offset, torch.TypedStorage, dtype, device, handle,
@@ -228,6 +265,49 @@ class RestrictedUnpickler(pickle._Unpickler):
         self.tensors += 1
         if self.tensors > MAX_TENSORS_PER_PAYLOAD:
             raise RefusedPickle(f"the payload holds more than {MAX_TENSORS_PER_PAYLOAD} tensors")
+
+
+_KEY_TYPES = (str, int)
+
+
+def _extend(target, items: list) -> None:
+    """APPEND(S) only onto a list (the plain unpickler calls `.append` / `.extend` of whatever it finds)."""
+    if type(target) is not list:
+        raise RefusedPickle(f"refused to append to a {type(target).__name__} (only to a list)")
+    target.extend(items)
+
+
+def _set_items(target, items: list) -> dict:
+    """SETITEM(S) / DICT only into a dict, with str or int keys (`tensor[None] = x` would write through a
+    tensor; hashing a deeply nested tuple key overflows the C stack)."""
+    if type(target) not in (dict, OrderedDict):
+        raise RefusedPickle(f"refused to set items of a {type(target).__name__} (only of a dict)")
+    keys = items[::2]
+    if len(items) % 2 or not all(type(key) in _KEY_TYPES for key in keys):
+        raise RefusedPickle("refused a dict whose keys are not strings or ints")
+    target.update(zip(keys, items[1::2], strict=True))
+    return target
+
+
+def _size(dims) -> torch.Size:
+    """`torch.Size` of a tuple of ints only (torch.Size(tensor) would iterate a mapped tensor)."""
+    if not isinstance(dims, tuple | list) or not all(_is_int(d) for d in dims):
+        raise RefusedPickle("torch.Size takes a tuple of ints")
+    return torch.Size(dims)
+
+
+def _device(kind, index=None) -> torch.device:
+    """`torch.device` of a type name and an optional index only."""
+    if not isinstance(kind, str) or not (index is None or _is_int(index)):
+        raise RefusedPickle("torch.device takes a device type and an index")
+    return torch.device(kind) if index is None else torch.device(kind, index)
+
+
+def _ordered_dict(*args) -> OrderedDict:
+    """An empty `OrderedDict` (a pickle fills it with SETITEMS; OrderedDict(x) would iterate any x)."""
+    if args:
+        raise RefusedPickle("OrderedDict is rebuilt empty, then filled")
+    return OrderedDict()
 
 
 def _text(value) -> str | None:
@@ -252,9 +332,19 @@ def _is_socket(path: str) -> bool:
 
 def _check_layout(size, stride, offset) -> None:
     ok = isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride) <= 8 and \
-        all(_is_int(v) and v >= 0 for v in (*size, *stride, offset))
+        all(_is_int(v) and 0 <= v < 1 << 63 for v in (*size, *stride, offset))
     if not ok:
         raise RefusedPickle("a tensor with a malformed size, stride or offset")
+
+
+def _check_inside(size: tuple, stride: tuple, offset: int, itemsize: int, nbytes: int) -> None:
+    """The view (size, stride, offset in elements) must lie inside its storage's `nbytes`: torch's `set_`
+    would grow a resizable storage (fresh uninitialized memory, past the payload's budget) instead."""
+    if 0 in size:
+        return
+    end = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    if end * itemsize > nbytes:
+        raise RefusedPickle(f"a tensor view reaches {end * itemsize} bytes into a storage of {nbytes} bytes")
 
 
 def _check_cuda_range(tensor: torch.Tensor, storage_bytes: int) -> None:
@@ -341,6 +431,9 @@ def _unflatten(bucket) -> list[tuple[str, torch.Tensor]]:
         name, shape, dtype, start, end = _metadata_entry(entry, i)
         if not 0 <= start <= end <= flat.numel():
             raise ValueError(f"metadata of {name!r}: [{start}, {end}) is outside the bucket of {flat.numel()} elements")
+        if (flat.storage_offset() + start) * flat.element_size() % dtype.itemsize:
+            raise ValueError(f"metadata of {name!r}: element {start} of the {flat.dtype} bucket is not aligned to "
+                             f"{dtype} ({dtype.itemsize} bytes)")
         nbytes = (end - start) * flat.element_size()
         numel = 1
         for d in shape:
@@ -363,8 +456,8 @@ def _metadata_entry(entry, index: int) -> tuple[str, tuple[int, ...], torch.dtyp
     name, shape, dtype, start, end = entry[:5]
     if not isinstance(name, str):
         raise ValueError(f"metadata entry {index}: the name must be a string")
-    if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise ValueError(f"metadata of {name!r}: shape must be a list of non-negative ints")
+    if not isinstance(shape, list | tuple) or not all(_is_int(d) and 0 <= d < 1 << 63 for d in shape):
+        raise ValueError(f"metadata of {name!r}: shape must be a list of non-negative 64-bit ints")
     if not _is_int(start) or not _is_int(end):
         raise ValueError(f"metadata of {name!r}: start and end must be ints")
     return name, tuple(shape), parse_dtype(dtype, f"metadata of {name!r}"), start, end
@@ -376,7 +469,7 @@ def parse_dtype(value, what: str) -> torch.dtype:
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
         return _DTYPES[value.removeprefix("torch.")]
-    raise ValueError(f"{what}: unknown dtype {value!r}")
+    raise ValueError(f"{what}: unknown dtype {reprlib.repr(value)}")
 
 
 # ---- checks against the engine's checkpoint ---------------------------------------------------------
