@@ -486,6 +486,20 @@ def test_bad_bucket_metadata_is_a_value_error():
         named_tensors_of({"flattened_tensor": flat, "metadata": [("a", [1 << 64, 0], torch.float32, 0, 0)]},
                          "flattened_bucket")
 
+
+def test_memo_references_cannot_multiply_the_tensors():
+    """A list of 1,000 memo references to one bucket of 1,000 memo references to one entry: a 5 KB pickle that
+    made a million views (seconds of the engine thread, a GB; a 1 MiB body: hours, the host's memory)."""
+    flat = torch.zeros(4)
+    bucket = {"flattened_tensor": flat, "metadata": [("a", [4], torch.float32, 0, 4)] * 1000}
+    payload = pickle.dumps([bucket] * 1000)
+    assert len(payload) < 5000
+    with pytest.raises(ValueError, match=r"names \d+ tensors or more; at most 100000"):
+        named_tensors_of(pickle.loads(payload), "flattened_bucket")
+    with pytest.raises(ValueError, match="names 1000000 tensors or more"):
+        named_tensors_of([("a", flat)] * 1_000_000, None)
+    assert len(named_tensors_of([bucket] * 100, "flattened_bucket")) == 100_000
+
 # ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
 TP_TRAINER = """
     import sys, torch

@@ -404,6 +404,7 @@ def named_tensors_of(payload, load_format: str | None) -> list[tuple[str, torch.
             raise ValueError("the payload is a flattened bucket (a dict): send load_format 'flattened_bucket'")
         if not isinstance(payload, list | tuple):
             raise ValueError(f"the payload must be a list of (name, tensor) pairs, got {type(payload).__name__}")
+        _check_count(len(payload))
         pairs = []
         for i, item in enumerate(payload):
             if not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[0], str) \
@@ -413,12 +414,22 @@ def named_tensors_of(payload, load_format: str | None) -> list[tuple[str, torch.
         return pairs
     if load_format != "flattened_bucket":
         raise ValueError(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
-    if isinstance(payload, list | tuple):  # torpor's extension: several buckets in one payload (one request)
-        return [pair for bucket in payload for pair in _unflatten(bucket)]
-    return _unflatten(payload)
+    if not isinstance(payload, list | tuple):
+        return _unflatten(payload, 0)
+    pairs = []  # torpor's extension: several buckets in one payload (one request)
+    for bucket in payload:
+        pairs += _unflatten(bucket, len(pairs))
+    return pairs
 
 
-def _unflatten(bucket) -> list[tuple[str, torch.Tensor]]:
+def _check_count(count: int) -> None:
+    """Memo references make a short pickle name one bucket (or entry) a million times: each entry is a view."""
+    if count > MAX_TENSORS_PER_PAYLOAD:
+        raise ValueError(f"the payload names {count} tensors or more; at most {MAX_TENSORS_PER_PAYLOAD}")
+
+
+def _unflatten(bucket, before: int) -> list[tuple[str, torch.Tensor]]:
+    """One bucket's (name, view) pairs; `before`: the tensors the payload named in earlier buckets."""
     if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
         raise ValueError("a flattened bucket must be a dict with exactly 'flattened_tensor' and 'metadata'")
     flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
@@ -426,6 +437,7 @@ def _unflatten(bucket) -> list[tuple[str, torch.Tensor]]:
         raise ValueError("flattened_tensor must be one contiguous 1-D tensor")
     if not isinstance(metadata, list | tuple):
         raise ValueError("metadata must be a list of (name, shape, dtype, start, end)")
+    _check_count(before + len(metadata))
     pairs = []
     for i, entry in enumerate(metadata):
         name, shape, dtype, start, end = _metadata_entry(entry, i)
