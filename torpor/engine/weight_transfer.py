@@ -258,7 +258,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         tensor = rebuild_cuda_tensor(torch.Tensor, size, stride, offset, torch.TypedStorage, dtype, device, handle,
                                      storage_bytes, storage_offset_bytes, False, ref_handle, ref_offset,
                                      event_handle, bool(event_sync))
-        _check_cuda_range(tensor, storage_bytes)
+        _check_cuda_range(tensor, storage_bytes, storage_offset_bytes)
         return tensor
 
     def _counted_tensor(self) -> None:
@@ -347,20 +347,22 @@ def _check_inside(size: tuple, stride: tuple, offset: int, itemsize: int, nbytes
         raise RefusedPickle(f"a tensor view reaches {end * itemsize} bytes into a storage of {nbytes} bytes")
 
 
-def _check_cuda_range(tensor: torch.Tensor, storage_bytes: int) -> None:
-    """The IPC mapping must cover the storage the payload claims (else reads run off the allocation)."""
+def _check_cuda_range(tensor: torch.Tensor, storage_bytes: int, storage_offset_bytes: int) -> None:
+    """The storage the payload claims, [mapping + storage_offset_bytes, ... + storage_bytes), must lie inside the
+    allocation the IPC handle mapped (else reads run off it, into whatever this process has next to it). Fails
+    closed: what the driver cannot vouch for is refused."""
     if storage_bytes == 0:
         return
     try:
         from cuda.bindings import driver
-    except ImportError:  # without cuda-bindings the claim cannot be checked
-        return
+    except ImportError:
+        raise RefusedPickle("CUDA IPC payloads need cuda-bindings (pip install torpor[cu12] or torpor[cu13]) to "
+                            "check their ranges") from None
     ptr = tensor.untyped_storage().data_ptr()
-    err, base, size = driver.cuMemGetAddressRange(ptr)
-    if err != driver.CUresult.CUDA_SUCCESS:  # the driver cannot say: nothing to check against
-        return
-    if ptr + storage_bytes > int(base) + int(size):
-        raise RefusedPickle(f"the CUDA IPC allocation is smaller than the {storage_bytes} bytes the payload claims")
+    err, base, size = driver.cuMemGetAddressRange(ptr - storage_offset_bytes)  # the mapping's own allocation
+    if err != driver.CUresult.CUDA_SUCCESS or ptr + storage_bytes > int(base) + int(size):
+        raise RefusedPickle(f"the CUDA IPC allocation does not hold the {storage_bytes} bytes at offset "
+                            f"{storage_offset_bytes} the payload claims")
 
 
 def unpickle_payload(serialized: str, max_bytes: int):
