@@ -194,6 +194,39 @@ def test_cached_answers_equal_uncached_answers(cached, uncached):
     assert logprobs_of(cold) == logprobs_of(want) and logprobs_of(warm) == logprobs_of(want)  # bit-identical
 
 
+def test_a_prefix_cached_by_a_shorter_prefill_gives_the_bits_of_a_whole_prefill(cached, uncached):
+    # The cached block's K/V (layers > 0) come from a 9-token prefill; the uncached prompt's from a longer one:
+    # attention must not depend on how many keys follow a query's own.
+    rng = random.Random(3)
+    head = [rng.randrange(1000) for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=2)
+    for length in range(9, 40, 3):
+        prompt = head + [rng.randrange(1000) for _ in range(length - 8)]
+        cached.reset_prefix_cache()
+        cached.generate([[*head, 7]], SamplingParams(max_tokens=1))
+        got, want = cached.generate([prompt], params)[0], uncached.generate([prompt], params)[0]
+        assert got.num_cached_tokens == 8
+        assert logprobs_of([got]) == logprobs_of([want]), length
+
+
+def test_prefill_attention_rows_depend_on_neither_query_nor_key_count():
+    import torch
+
+    from torpor.engine.attention.torch_backend import causal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(300, heads, 32, generator=gen) for heads in (4, 2, 2))
+    rng = random.Random(0)
+    for _ in range(40):
+        length = rng.randint(1, 200)
+        first, other = rng.randrange(length), rng.randrange(length)  # two cached-prefix lengths
+        longer = rng.randint(length, 300)                              # and a longer prompt with this head
+        a = causal_attention(q[first:length], k[:length], v[:length], first, 0.1)
+        b = causal_attention(q[other:longer], k[:longer], v[:longer], other, 0.1)
+        start = max(first, other)
+        assert torch.equal(a[start - first :], b[start - other : length - other]), (length, first, other, longer)
+
+
 def test_prompt_logprobs_requests_compute_their_whole_prompt(cached, uncached):
     prompts, _ = shared_prefix_requests(seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=3, logprobs=1)
