@@ -80,6 +80,17 @@ def test_hash_collisions_are_misses_not_wrong_hits(monkeypatch):
     assert bm.num_hit_tokens_for(b) == 0
 
 
+def test_a_crafted_collision_of_pythons_hash_serves_no_other_prefix():
+    # hash((0, (9, 180455074271894158))) == 0, the parent key of a first block (CPython's tuple hash can be
+    # inverted): with Python's hash as the key, b's second block would look like a's first block (same
+    # tokens, same parent key) and b would read a's K/V, computed at positions 0-1 after no prefix.
+    crafted = [9, 180455074271894158]
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    bm.allocate(seq_of([*crafted, 5], "c"))  # the crafted block is cached
+    bm.allocate(seq_of([7, 9, 11], "a"))     # so is the block (7, 9) at the head of a prompt
+    assert bm.num_hit_tokens_for(seq_of([*crafted, 7, 9, 11], "b")) == 2  # the crafted block only
+
+
 def test_prefix_caching_off_shares_nothing():
     bm = BlockManager(num_blocks=8, block_size=2)
     a, b = seq_of(range(5), "a"), seq_of(range(5), "b")
