@@ -328,3 +328,83 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
     assert result["transformers"]["output_tokens"] == 3 * 4
     profile = result["cached"]["profile"]  # where the time goes: the top operators (kernels on a GPU)
     assert profile["busy_s"] > 0 and len(profile["top"]) == 20 and profile["top"][0]["ms"] > 0
+
+
+# ---- randomized stress: the real engine, a small KV cache, mixed requests and aborts ----------------------
+def random_requests(rng, count, max_model_len, vocab):
+    """Prompts sharing a few heads (some ending on a block boundary), n samples, greedy and seeded, logprobs
+    and prompt logprobs; each with the number of steps to wait before it is added."""
+    heads = [[rng.randrange(vocab) for _ in range(rng.choice([4, 8, 13, 24]))] for _ in range(3)]
+    requests = []
+    for _ in range(count):
+        length = rng.choice([8, 16, rng.randint(1, max_model_len - 2)])
+        prompt = (rng.choice(heads) + [rng.randrange(vocab) for _ in range(length)])[:length]
+        greedy = rng.random() < 0.4
+        params = SamplingParams(temperature=0.0 if greedy else 1.0, seed=None if greedy else rng.randrange(1000),
+                                max_tokens=rng.randint(1, min(12, max_model_len - length)),
+                                ignore_eos=rng.random() < 0.7, logprobs=rng.choice([None, 0, 2]),
+                                prompt_logprobs=2 if rng.random() < 0.15 else None, n=rng.choice([1, 1, 2, 3]))
+        requests.append((rng.randint(0, 2), prompt, params))
+    return requests
+
+
+def check_blocks(scheduler):
+    """Every block is held exactly by the running sequences whose tables name it; free blocks by none."""
+    bm = scheduler.block_manager
+    holders = [set() for _ in range(bm.num_blocks)]
+    for seq in scheduler.running:
+        for block_id in seq.block_table:
+            holders[block_id].add(seq.seq_id)
+    assert all(not seq.block_table for seq in scheduler.waiting)
+    assert [len(h) for h in holders] == [bm.ref_count(b) for b in range(bm.num_blocks)]
+    assert bm.num_free_blocks == sum(1 for h in holders if not h)
+
+
+def run_requests(llm, requests, abort_rng=None):
+    """Add the requests over the steps, abort some at random; check the blocks after every step. Returns the
+    finished outputs by request id and the aborted ids."""
+    engine, pending, outputs, aborted = llm.engine, list(enumerate(requests)), {}, set()
+    wait = pending[0][1][0] if pending else 0
+    while pending or not engine.is_finished():
+        while pending and wait <= 0:
+            i, (_, prompt, params) = pending.pop(0)
+            engine.add_request(prompt, params, request_id=str(i))
+            wait = pending[0][1][0] if pending else 0
+        wait -= 1
+        if abort_rng is not None and abort_rng.random() < 0.08 and engine._requests:
+            request_id = abort_rng.choice(sorted(engine._requests))
+            outputs[request_id] = engine.abort_request(request_id)
+            aborted.add(request_id)
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        check_blocks(engine.scheduler)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_used_blocks == 0
+    return outputs, aborted
+
+
+def answers(output):
+    """An engine output's samples: tokens, text, finish reason and logprobs ({id: float}), and its prompt logprobs."""
+    return completions([output]), [c.logprobs for c in output.outputs], output.prompt_logprobs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_requests_with_aborts_and_preemption_leak_no_block(tiny_model_path, seed):
+    options = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
+    small = LLM(tiny_model_path, num_kv_blocks=20, **options)  # 80 tokens of KV: eviction and preemption
+    requests = random_requests(random.Random(seed), 30, 64, small.engine.vocab_size)
+    outputs, aborted = run_requests(small, requests, random.Random(seed))
+    assert aborted and len(outputs) == len(requests)
+    assert all(c.finish_reason == "abort" for r in aborted for c in outputs[r].outputs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_requests_are_bit_identical_with_and_without_caching(tiny_model_path, seed):
+    # Enough KV and sequence slots that both engines run the same batches (the decode batches decide bits).
+    options = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=64, block_size=4,
+                   num_kv_blocks=400)
+    on, off = LLM(tiny_model_path, **options), LLM(tiny_model_path, enable_prefix_caching=False, **options)
+    requests = random_requests(random.Random(seed), 30, 64, on.engine.vocab_size)
+    got, _ = run_requests(on, requests)
+    want, _ = run_requests(off, requests)
+    assert sum(o.num_cached_tokens for o in got.values()) > 0
+    assert {r: answers(o) for r, o in got.items()} == {r: answers(o) for r, o in want.items()}
