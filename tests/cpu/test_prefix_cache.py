@@ -80,6 +80,17 @@ def test_hash_collisions_are_misses_not_wrong_hits(monkeypatch):
     assert bm.num_hit_tokens_for(b) == 0
 
 
+def test_a_crafted_collision_of_pythons_hash_serves_no_other_prefix():
+    # hash((0, (9, 180455074271894158))) == 0, the parent key of a first block (CPython's tuple hash can be
+    # inverted): with Python's hash as the key, b's second block would look like a's first block (same
+    # tokens, same parent key) and b would read a's K/V, computed at positions 0-1 after no prefix.
+    crafted = [9, 180455074271894158]
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    bm.allocate(seq_of([*crafted, 5], "c"))  # the crafted block is cached
+    bm.allocate(seq_of([7, 9, 11], "a"))     # so is the block (7, 9) at the head of a prompt
+    assert bm.num_hit_tokens_for(seq_of([*crafted, 7, 9, 11], "b")) == 2  # the crafted block only
+
+
 def test_prefix_caching_off_shares_nothing():
     bm = BlockManager(num_blocks=8, block_size=2)
     a, b = seq_of(range(5), "a"), seq_of(range(5), "b")
@@ -194,6 +205,39 @@ def test_cached_answers_equal_uncached_answers(cached, uncached):
     assert logprobs_of(cold) == logprobs_of(want) and logprobs_of(warm) == logprobs_of(want)  # bit-identical
 
 
+def test_a_prefix_cached_by_a_shorter_prefill_gives_the_bits_of_a_whole_prefill(cached, uncached):
+    # The cached block's K/V (layers > 0) come from a 9-token prefill; the uncached prompt's from a longer one:
+    # attention must not depend on how many keys follow a query's own.
+    rng = random.Random(3)
+    head = [rng.randrange(1000) for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=2)
+    for length in range(9, 40, 3):
+        prompt = head + [rng.randrange(1000) for _ in range(length - 8)]
+        cached.reset_prefix_cache()
+        cached.generate([[*head, 7]], SamplingParams(max_tokens=1))
+        got, want = cached.generate([prompt], params)[0], uncached.generate([prompt], params)[0]
+        assert got.num_cached_tokens == 8
+        assert logprobs_of([got]) == logprobs_of([want]), length
+
+
+def test_prefill_attention_rows_depend_on_neither_query_nor_key_count():
+    import torch
+
+    from torpor.engine.attention.torch_backend import causal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(300, heads, 32, generator=gen) for heads in (4, 2, 2))
+    rng = random.Random(0)
+    for _ in range(40):
+        length = rng.randint(1, 200)
+        first, other = rng.randrange(length), rng.randrange(length)  # two cached-prefix lengths
+        longer = rng.randint(length, 300)                              # and a longer prompt with this head
+        a = causal_attention(q[first:length], k[:length], v[:length], first, 0.1)
+        b = causal_attention(q[other:longer], k[:longer], v[:longer], other, 0.1)
+        start = max(first, other)
+        assert torch.equal(a[start - first :], b[start - other : length - other]), (length, first, other, longer)
+
+
 def test_prompt_logprobs_requests_compute_their_whole_prompt(cached, uncached):
     prompts, _ = shared_prefix_requests(seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=3, logprobs=1)
@@ -284,3 +328,83 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
     assert result["transformers"]["output_tokens"] == 3 * 4
     profile = result["cached"]["profile"]  # where the time goes: the top operators (kernels on a GPU)
     assert profile["busy_s"] > 0 and len(profile["top"]) == 20 and profile["top"][0]["ms"] > 0
+
+
+# ---- randomized stress: the real engine, a small KV cache, mixed requests and aborts ----------------------
+def random_requests(rng, count, max_model_len, vocab):
+    """Prompts sharing a few heads (some ending on a block boundary), n samples, greedy and seeded, logprobs
+    and prompt logprobs; each with the number of steps to wait before it is added."""
+    heads = [[rng.randrange(vocab) for _ in range(rng.choice([4, 8, 13, 24]))] for _ in range(3)]
+    requests = []
+    for _ in range(count):
+        length = rng.choice([8, 16, rng.randint(1, max_model_len - 2)])
+        prompt = (rng.choice(heads) + [rng.randrange(vocab) for _ in range(length)])[:length]
+        greedy = rng.random() < 0.4
+        params = SamplingParams(temperature=0.0 if greedy else 1.0, seed=None if greedy else rng.randrange(1000),
+                                max_tokens=rng.randint(1, min(12, max_model_len - length)),
+                                ignore_eos=rng.random() < 0.7, logprobs=rng.choice([None, 0, 2]),
+                                prompt_logprobs=2 if rng.random() < 0.15 else None, n=rng.choice([1, 1, 2, 3]))
+        requests.append((rng.randint(0, 2), prompt, params))
+    return requests
+
+
+def check_blocks(scheduler):
+    """Every block is held exactly by the running sequences whose tables name it; free blocks by none."""
+    bm = scheduler.block_manager
+    holders = [set() for _ in range(bm.num_blocks)]
+    for seq in scheduler.running:
+        for block_id in seq.block_table:
+            holders[block_id].add(seq.seq_id)
+    assert all(not seq.block_table for seq in scheduler.waiting)
+    assert [len(h) for h in holders] == [bm.ref_count(b) for b in range(bm.num_blocks)]
+    assert bm.num_free_blocks == sum(1 for h in holders if not h)
+
+
+def run_requests(llm, requests, abort_rng=None):
+    """Add the requests over the steps, abort some at random; check the blocks after every step. Returns the
+    finished outputs by request id and the aborted ids."""
+    engine, pending, outputs, aborted = llm.engine, list(enumerate(requests)), {}, set()
+    wait = pending[0][1][0] if pending else 0
+    while pending or not engine.is_finished():
+        while pending and wait <= 0:
+            i, (_, prompt, params) = pending.pop(0)
+            engine.add_request(prompt, params, request_id=str(i))
+            wait = pending[0][1][0] if pending else 0
+        wait -= 1
+        if abort_rng is not None and abort_rng.random() < 0.08 and engine._requests:
+            request_id = abort_rng.choice(sorted(engine._requests))
+            outputs[request_id] = engine.abort_request(request_id)
+            aborted.add(request_id)
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        check_blocks(engine.scheduler)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_used_blocks == 0
+    return outputs, aborted
+
+
+def answers(output):
+    """An engine output's samples: tokens, text, finish reason and logprobs ({id: float}), and its prompt logprobs."""
+    return completions([output]), [c.logprobs for c in output.outputs], output.prompt_logprobs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_requests_with_aborts_and_preemption_leak_no_block(tiny_model_path, seed):
+    options = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
+    small = LLM(tiny_model_path, num_kv_blocks=20, **options)  # 80 tokens of KV: eviction and preemption
+    requests = random_requests(random.Random(seed), 30, 64, small.engine.vocab_size)
+    outputs, aborted = run_requests(small, requests, random.Random(seed))
+    assert aborted and len(outputs) == len(requests)
+    assert all(c.finish_reason == "abort" for r in aborted for c in outputs[r].outputs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_requests_are_bit_identical_with_and_without_caching(tiny_model_path, seed):
+    # Enough KV and sequence slots that both engines run the same batches (the decode batches decide bits).
+    options = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=64, block_size=4,
+                   num_kv_blocks=400)
+    on, off = LLM(tiny_model_path, **options), LLM(tiny_model_path, enable_prefix_caching=False, **options)
+    requests = random_requests(random.Random(seed), 30, 64, on.engine.vocab_size)
+    got, _ = run_requests(on, requests)
+    want, _ = run_requests(off, requests)
+    assert sum(o.num_cached_tokens for o in got.values()) > 0
+    assert {r: answers(o) for r, o in got.items()} == {r: answers(o) for r, o in want.items()}

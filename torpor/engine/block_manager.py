@@ -6,14 +6,15 @@ block `seq.block_table[p // block_size]` at offset `p % block_size`.
 Sharing. A block may sit in several block tables (the n samples of one request share their prompt's
 full blocks; requests with a common prefix share its blocks); it is free once no table holds it.
 
-Prefix caching (`enable_prefix_caching`). A full block is known by its key, hash((parent key, its
-token ids)), so equal keys mean equal prefixes (the token ids are compared too, so a hash collision is
-a miss, never a wrong hit). A block is registered under its key as soon as the step that writes it is
-scheduled (a later sequence of the same prefill batch may then use it: each layer stores every new K/V
-before any attention reads the cache). Free blocks keep their keys and stay findable until the
-allocator reuses them, least recently freed first (a freed sequence's blocks are freed tail first, so
-its prefix outlives its tail). Full blocks are never written again, so no copy-on-write is needed.
-`reset_prefix_cache` forgets every key (new weights make the cached K/V stale).
+Prefix caching (`enable_prefix_caching`). A full block is known by its key, SHA-256 of (parent key, its
+token ids), so equal keys mean equal prefixes. (Python's hash() is not collision-resistant: a prompt can be
+crafted whose block's key equals another prefix's, and comparing a hit's token ids and parent key does not
+catch a collision of the parent keys, so another prefix's next block would be served.) A block is registered
+under its key as soon as the step that writes it is scheduled (a later sequence of the same prefill batch
+may then use it: each layer stores every new K/V before any attention reads the cache). Free blocks keep
+their keys and stay findable until the allocator reuses them, least recently freed first (a freed sequence's
+blocks are freed tail first, so its prefix outlives its tail). Full blocks are never written again, so no
+copy-on-write is needed. `reset_prefix_cache` forgets every key (new weights make the cached K/V stale).
 
 Determinism: with a deterministic free list and `reset()` after every discard of the cache, the same
 requests always get the same blocks.
@@ -21,11 +22,13 @@ requests always get the same blocks.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from torpor.engine.sequence import Sequence
 
-_ROOT_KEY = 0  # the parent key of a sequence's first block
+_ROOT_KEY = b""  # the parent key of a sequence's first block
 
 
 class BlockManager:
@@ -56,8 +59,8 @@ class BlockManager:
         self.epoch += 1
 
     def _forget_keys(self) -> None:
-        self._cached: dict[int, int] = {}                            # key -> block id
-        self._block_id_key: list[tuple[int, int, tuple[int, ...]] | None] = [None] * self.num_blocks
+        self._cached: dict[bytes, int] = {}                          # key -> block id
+        self._block_id_key: list[tuple[bytes, bytes, tuple[int, ...]] | None] = [None] * self.num_blocks
 
     # ---- accounting ----------------------------------------------------------------------
     @property
@@ -226,16 +229,21 @@ class BlockManager:
                 self._block_id_key[block_id] = (keys[j], self._parent_key(seq, j), self._block_tokens(seq, j))
         seq.num_registered_blocks = len(seq) // self.block_size
 
-    def _keys(self, seq: Sequence) -> list[int]:
+    def _keys(self, seq: Sequence) -> list[bytes]:
         """Keys of `seq`'s full blocks (computed once per block: tokens are only ever appended)."""
         keys = seq.block_keys
         for j in range(len(keys), len(seq) // self.block_size):
-            keys.append(hash((self._parent_key(seq, j), self._block_tokens(seq, j))))
+            keys.append(block_key(self._parent_key(seq, j), self._block_tokens(seq, j)))
         return keys
 
     @staticmethod
-    def _parent_key(seq: Sequence, j: int) -> int:
+    def _parent_key(seq: Sequence, j: int) -> bytes:
         return seq.block_keys[j - 1] if j else _ROOT_KEY
 
     def _block_tokens(self, seq: Sequence, j: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+
+
+def block_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """The key of a full block: SHA-256 of its parent's key and its token ids."""
+    return hashlib.sha256(parent_key + array("q", token_ids).tobytes()).digest()

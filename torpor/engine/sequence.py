@@ -69,7 +69,7 @@ class Sequence:
         # Prefix caching (see BlockManager): keys of the full blocks of token_ids, grown as blocks fill;
         # how many of this sequence's blocks are registered in the cache; the cache generation they
         # belong to; the prompt tokens found in the cache at the first prefill (RequestOutput's field).
-        self.block_keys: list[int] = []
+        self.block_keys: list[bytes] = []
         self.num_registered_blocks = 0
         self.cache_epoch = -1
         self.num_prefix_cached_tokens = 0

@@ -1,10 +1,11 @@
 """Attention in plain PyTorch ops: the CPU path, and the reference the GPU kernels are checked against."""
 
 import torch
-import torch.nn.functional as F
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.gemm import CPU_ROW_MULTIPLE
+
+KEY_CHUNK = 64  # keys per step of the prefill attention's online softmax (see causal_attention)
 
 
 class TorchAttentionBackend:
@@ -73,17 +74,32 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
     """q [q_len, num_heads, head_dim] attends to k/v [num_cached + q_len, num_kv_heads, head_dim];
     query i sits at position num_cached + i and sees keys 0..num_cached + i (bottom-right causal).
-    Row-invariant: a query's output does not depend on how many queries came with it, so a prompt
-    prefilled after a cached prefix gets the bits of the same prompt prefilled whole (one mask rule for
-    both, and on CPU the query rows padded as gemm.row_invariant pads a GEMM's rows). The GPU's prefill
-    runs triton_backend.prefill_attention instead."""
-    q_len, groups = q.shape[0], q.shape[1] // k.shape[1]
+    Row-invariant: a query's output depends neither on how many queries came with it nor on how many keys
+    follow its own, so a prompt prefilled after a cached prefix gets the bits of the same prompt prefilled
+    whole, whatever the length of the prefill that computed the prefix. The query rows are padded as
+    gemm.row_invariant pads a GEMM's rows (on CPU); the keys are taken KEY_CHUNK at a time (the last chunk
+    padded) with an online softmax, and a chunk past a query's position leaves its max, sum and output
+    exactly as they were. (PyTorch's fused CPU attention reduces a row over all the keys it is given: its
+    bits depend on the key count.) The GPU's prefill runs triton_backend.prefill_attention instead."""
+    q_len, groups, q_dtype = q.shape[0], q.shape[1] // k.shape[1], q.dtype
     pad = -q_len % CPU_ROW_MULTIPLE if q.device.type == "cpu" else 0
     if pad:  # extra rows repeat the last query (and its mask row); their outputs are dropped
         q = torch.cat([q, q[-1:].expand(pad, *q.shape[1:])])
-    # [1, heads, len, head_dim]: PyTorch's fused kernels take 4-D inputs only.
-    q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
-    q_pos = torch.arange(q.shape[2], device=q.device).clamp(max=q_len - 1)[:, None] + num_cached
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [q_len + pad, ctx_len]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out[0, :, :q_len].transpose(0, 1)  # [q_len, num_heads, head_dim]
+    key_pad = -k.shape[0] % KEY_CHUNK
+    if key_pad:  # masked for every query
+        k, v = (torch.cat([t, t.new_zeros(key_pad, *t.shape[1:])]) for t in (k, v))
+    # [heads, len, head_dim], float32
+    q, k, v = (t.transpose(0, 1).float() for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    q_pos = torch.arange(q.shape[1], device=q.device).clamp(max=q_len - 1)[:, None] + num_cached
+    row_max = q.new_full((*q.shape[:2], 1), float("-inf"))
+    row_sum, out = q.new_zeros((*q.shape[:2], 1)), torch.zeros_like(q)
+    for start in range(0, k.shape[1], KEY_CHUNK):  # every query sees key 0: the first chunk sets a finite max
+        scores = torch.bmm(q, k[:, start : start + KEY_CHUNK].transpose(1, 2)) * scale
+        visible = torch.arange(start, start + KEY_CHUNK, device=q.device)[None, :] <= q_pos
+        scores.masked_fill_(~visible, float("-inf"))
+        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+        probs, rescale = torch.exp(scores - new_max), torch.exp(row_max - new_max)
+        row_sum = row_sum * rescale + probs.sum(-1, keepdim=True)
+        out = out * rescale + torch.bmm(probs, v[:, start : start + KEY_CHUNK])
+        row_max = new_max
+    return (out / row_sum)[:, :q_len].transpose(0, 1).to(q_dtype)
