@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torpor.engine.chat_template import ChatTemplateError
 from torpor.server.auth import require_api_key
 from torpor.server.errors import APIError
+from torpor.server.protocol import template_kwargs
 
 if TYPE_CHECKING:
     from torpor.server.state import ServerState
@@ -79,7 +80,7 @@ def _render(tokenizer, body: TokenizeChatRequest) -> str:
     try:
         return tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message, tools=body.tools,
-                                             **(body.chat_template_kwargs or {}))
+                                             **template_kwargs(body.chat_template_kwargs))
     except ChatTemplateError as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     except (ValueError, TypeError) as exc:  # no template, malformed messages, clashing options
