@@ -141,6 +141,26 @@ def test_reload_paths_outside_the_allowed_dir_are_403(server, weights_root, tiny
     assert server.admin.post("/reload_weights", json={"path": str(weights_root / "alias")}).json()["serving"]
 
 
+def test_checkpoint_files_linked_from_outside_are_403(server, weights_root, tmp_path):
+    """A folder inside whose model.safetensors (or index) is a symlink to a file outside loaded that file."""
+    outside = tmp_path / "outside"
+    shutil.copytree(weights_root / "good", outside)
+    index = {"metadata": {}, "weight_map": {"x": "model.safetensors"}}
+    (outside / "model.safetensors.index.json").write_text(json.dumps(index))
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        folder = weights_root / f"linked-{name}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        (folder / name).symlink_to(outside / name)
+        error = error_of(server.admin.post("/reload_weights", json={"path": str(folder)}), 403)
+        assert error["code"] == "path_not_allowed" and error["param"] == "path"
+    linked = weights_root / "linked-inside"  # a link to a file inside the allowed directory is fine
+    shutil.rmtree(linked, ignore_errors=True)
+    linked.mkdir()
+    (linked / "model.safetensors").symlink_to(weights_root / "good" / "model.safetensors")
+    assert server.admin.post("/reload_weights", json={"path": str(linked)}).json()["serving"]
+
+
 def test_allowed_weights_dir_option(tmp_path, tiny_model_path, capsys):
     from torpor.cli.main import main
 
