@@ -162,6 +162,26 @@ def test_checkpoint_files_linked_from_outside_are_403(server, weights_root, tmp_
     assert server.admin.post("/reload_weights", json={"path": str(linked)}).json()["serving"]
 
 
+def test_control_and_tokenize_errors_name_the_field(server):
+    """A sleep level out of range, a reload path or a /tokenize text with a lone surrogate: 400s that named
+    no field (the engine's or the codec's message)."""
+    for level in (-1, 5, 2**70):
+        error = error_of(server.admin.post("/sleep", params={"level": level}), 400)
+        assert error["param"] == "level" and str(level) in error["message"]
+    rpc = error_of(server.admin.post("/collective_rpc", json={"method": "sleep", "args": [9]}), 400)
+    assert rpc["param"] == "level"
+
+    def post(client: httpx.Client, path: str, body: dict) -> httpx.Response:  # ASCII JSON: "\\ud800" escaped
+        return client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+    assert error_of(post(server.admin, "/reload_weights", {"path": "/tmp/\ud800"}), 400)["param"] == "path"
+    for body, param in (({"prompt": "a\ud800"}, "prompt"), ({"messages": [{"role": "user", "content": "\udfff"}]},
+                                                            "messages.0.content")):
+        error = error_of(post(server.http, "/tokenize", body), 400)
+        assert error["param"] == param and error["code"] == "invalid_unicode", error
+    assert not server.admin.get("/is_sleeping").json()["is_sleeping"]
+
+
 def test_allowed_weights_dir_option(tmp_path, tiny_model_path, capsys):
     from torpor.cli.main import main
 
