@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from torpor.server import ServerConfig, build_app
 from torpor.server.errors import json_text
 from torpor.server.responses import ChatFormat
 
-from .test_server import ENGINE, ServerThread, error_of
+from .test_server import ENGINE, ServerThread, error_of, wait_for
 
 ADMIN = "admin-secret"
 PROMPT = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -139,6 +140,46 @@ def test_reload_paths_outside_the_allowed_dir_are_403(server, weights_root, tiny
     (weights_root / "alias").unlink(missing_ok=True)
     (weights_root / "alias").symlink_to(weights_root / "good")
     assert server.admin.post("/reload_weights", json={"path": str(weights_root / "alias")}).json()["serving"]
+
+
+def test_checkpoint_files_linked_from_outside_are_403(server, weights_root, tmp_path):
+    """A folder inside whose model.safetensors (or index) is a symlink to a file outside loaded that file."""
+    outside = tmp_path / "outside"
+    shutil.copytree(weights_root / "good", outside)
+    index = {"metadata": {}, "weight_map": {"x": "model.safetensors"}}
+    (outside / "model.safetensors.index.json").write_text(json.dumps(index))
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        folder = weights_root / f"linked-{name}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        (folder / name).symlink_to(outside / name)
+        error = error_of(server.admin.post("/reload_weights", json={"path": str(folder)}), 403)
+        assert error["code"] == "path_not_allowed" and error["param"] == "path"
+    linked = weights_root / "linked-inside"  # a link to a file inside the allowed directory is fine
+    shutil.rmtree(linked, ignore_errors=True)
+    linked.mkdir()
+    (linked / "model.safetensors").symlink_to(weights_root / "good" / "model.safetensors")
+    assert server.admin.post("/reload_weights", json={"path": str(linked)}).json()["serving"]
+
+
+def test_control_and_tokenize_errors_name_the_field(server):
+    """A sleep level out of range, a reload path or a /tokenize text with a lone surrogate: 400s that named
+    no field (the engine's or the codec's message)."""
+    for level in (-1, 5, 2**70):
+        error = error_of(server.admin.post("/sleep", params={"level": level}), 400)
+        assert error["param"] == "level" and str(level) in error["message"]
+    rpc = error_of(server.admin.post("/collective_rpc", json={"method": "sleep", "args": [9]}), 400)
+    assert rpc["param"] == "level"
+
+    def post(client: httpx.Client, path: str, body: dict) -> httpx.Response:  # ASCII JSON: "\\ud800" escaped
+        return client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+    assert error_of(post(server.admin, "/reload_weights", {"path": "/tmp/\ud800"}), 400)["param"] == "path"
+    for body, param in (({"prompt": "a\ud800"}, "prompt"), ({"messages": [{"role": "user", "content": "\udfff"}]},
+                                                            "messages.0.content")):
+        error = error_of(post(server.http, "/tokenize", body), 400)
+        assert error["param"] == param and error["code"] == "invalid_unicode", error
+    assert not server.admin.get("/is_sleeping").json()["is_sleeping"]
 
 
 def test_allowed_weights_dir_option(tmp_path, tiny_model_path, capsys):
@@ -339,3 +380,55 @@ def test_schema_says_400_not_422(server):
     ok = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert "text/event-stream" in ok and "application/json" in ok
     assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+
+
+# ---- the asleep timeout also bounds a request queued before the sleep ---------------------------------
+@pytest.fixture(scope="module")
+def one_at_a_time(weights_root):
+    """One running sequence at a time: a second request waits in the queue behind a long first one."""
+    llm = LLM(str(weights_root / "good"), **{**ENGINE, "max_num_seqs": 1, "max_model_len": 1024})
+    with ServerThread(build_app(llm.engine, ServerConfig("tiny", admin_token=ADMIN))) as url:
+        admin = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
+        yield SimpleNamespace(http=httpx.Client(base_url=url, timeout=60), admin=admin)
+        admin.post("/wake_up")
+
+
+def queue_counts(server) -> tuple[float, float]:
+    """(running, waiting) requests, from /metrics."""
+    values = {s.name: s.value for f in text_string_to_metric_families(server.http.get("/metrics").text)
+              for s in f.samples}
+    return values["torpor_num_requests_running"], values["torpor_num_requests_waiting"]
+
+
+def test_a_request_queued_before_a_sleep_gets_503_after_its_asleep_timeout(one_at_a_time):
+    """X-Asleep-Timeout bounded only the wait of a request sent while asleep: one queued behind running work
+    when a sleep came waited until the wake however long it took (forever without one)."""
+    server = one_at_a_time
+    long = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    short = {**long, "max_tokens": 4}
+    bounded = {"x-asleep-timeout": "0.5"}
+
+    def stream(headers: dict) -> list[str]:
+        with server.http.stream("POST", "/v1/completions", json={**short, "stream": True}, headers=headers) as r:
+            return [line for line in r.iter_lines() if line]
+
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            first = pool.submit(server.http.post, "/v1/completions", json=long)
+            wait_for(lambda: queue_counts(server) == (1, 0), what="the long request to run")
+            whole = pool.submit(server.http.post, "/v1/completions", json=short, headers=bounded)
+            streamed = pool.submit(stream, bounded)
+            unbounded = pool.submit(server.http.post, "/v1/completions", json=short)
+            wait_for(lambda: queue_counts(server) == (1, 3), what="three requests queued behind it")
+            server.admin.post("/sleep", params={"level": 1, "mode": "abort"}).raise_for_status()
+            assert first.result(10).json()["choices"][0]["finish_reason"] == "abort"
+            error = error_of(whole.result(10), 503)
+            assert error["code"] == "engine_asleep" and "within 0.5 s" in error["message"]
+            events = streamed.result(10)
+            assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "engine_asleep"
+            assert queue_counts(server) == (0, 1)  # the two that gave up left the queue; the unbounded one waits
+            assert not unbounded.done()
+            server.admin.post("/wake_up").raise_for_status()
+            assert unbounded.result(10).json()["choices"][0]["finish_reason"] == "length"
+        finally:
+            server.admin.post("/wake_up")  # a failure must not leave requests queued (pool exit waits)

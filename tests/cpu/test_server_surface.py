@@ -96,6 +96,18 @@ def test_chat_template_kwargs_reach_the_template(server):
     assert clash["param"] == "chat_template_kwargs"
 
 
+def test_chat_template_kwargs_cannot_bring_a_template(server):
+    """`chat_template_kwargs: {"chat_template": ...}` ran the client's Jinja (in the event loop: a nested loop
+    froze every endpoint, /health included); `tokenize: true` broke /tokenize with a message naming nothing."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for kwargs in ({"chat_template": "{{ 'injected' }}"}, {"tokenize": True}, {"tag": "x", "messages": []}):
+        for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})):
+            error = error_of(server.http.post(path, json={"messages": messages, "chat_template_kwargs": kwargs,
+                                                          **extra}), 400)
+            assert error["param"] == "chat_template_kwargs" and error["code"] == "unsupported_parameter", error
+            assert next(iter(kwargs.keys() - {"tag"})) in error["message"]
+
+
 def test_generation_config_fills_omitted_fields(server):
     def text(**body):
         answer = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "ignore_eos": True,

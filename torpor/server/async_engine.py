@@ -50,6 +50,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._serving_event: asyncio.Event | None = None
+        self._idle_event: asyncio.Event | None = None  # set while the engine does not serve
         self.dead: BaseException | None = None
         self.state: EngineState = engine.state()  # written by the engine thread after every command
 
@@ -70,9 +71,8 @@ class AsyncEngine:
             raise RuntimeError(f"the engine is already served by {self.engine.served_by}")
         self.engine.served_by = "a running AsyncEngine (the server)"
         self._loop = asyncio.get_running_loop()
-        self._serving_event = asyncio.Event()
-        if self.serving:
-            self._serving_event.set()
+        self._serving_event, self._idle_event = asyncio.Event(), asyncio.Event()
+        (self._serving_event if self.serving else self._idle_event).set()
         self._thread = threading.Thread(target=self._run, name="torpor-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +112,13 @@ class AsyncEngine:
             return True
         except TimeoutError:
             return False
+
+    async def not_served_for(self, timeout: float) -> None:
+        """Return once the engine has not served for `timeout` seconds in a row, or has stopped."""
+        while self.alive:
+            await self._idle_event.wait()
+            if not await self.wait_until_serving(timeout):
+                return
 
     # ---- control (each runs in the engine thread between steps) ------------------------
     async def sleep(self, level: int = 1, mode: str = "wait"):
@@ -247,6 +254,7 @@ class AsyncEngine:
         state = self.engine.state()
         if state.serving != self.state.serving:
             self._post(self._serving_event.set if state.serving else self._serving_event.clear)
+            self._post(self._idle_event.clear if state.serving else self._idle_event.set)
         self.state = state
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -277,6 +285,12 @@ class RequestStream:
             if item.finished:
                 return item
         raise EngineDeadError(f"request {self.request_id} ended without an output")
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (what was delivered before it is read first) and abort the request."""
+        if not self.finished:
+            self.queue.put_nowait(error)
+            self.engine._submit(self.engine._abort, self.request_id)
 
     def abort(self) -> None:
         if not self.finished:

@@ -30,9 +30,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from torpor.engine import rpc
-from torpor.engine.sleep_mode import SLEEP_TAGS
+from torpor.engine.loader import INDEX_FILE, SINGLE_FILE
+from torpor.engine.sleep_mode import SLEEP_LEVELS, SLEEP_TAGS
 from torpor.server.auth import require_admin
 from torpor.server.errors import APIError, engine_error, is_safetensors_error
+from torpor.server.protocol import invalid_unicode
 
 if TYPE_CHECKING:
     from torpor.memory import Report
@@ -149,8 +151,8 @@ async def flush_cache(request: Request) -> dict:
 
 # ---- the operations -----------------------------------------------------------------------------
 async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dict:
-    if isinstance(level, bool) or not isinstance(level, int):
-        raise APIError(400, f"level must be an integer (0, 1 or 2), got {level!r}", param="level")
+    if isinstance(level, bool) or not isinstance(level, int) or level not in SLEEP_LEVELS:
+        raise APIError(400, f"level must be one of {', '.join(map(str, SLEEP_LEVELS))}, got {level!r}", param="level")
     if mode not in ("wait", "abort"):
         raise APIError(400, f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}",
                        param="mode")
@@ -220,12 +222,15 @@ RPC_METHODS = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is
 
 # ---- helpers --------------------------------------------------------------------------------------
 def allowed_checkpoint_path(path: str, allowed_dir: Path) -> str:
-    """`path` with its symlinks resolved, if it lies inside `allowed_dir` (itself resolved); a 403
-    otherwise. Nothing is said about whether the path exists."""
-    if not path or "\x00" in path:
-        raise APIError(400, "path must be a non-empty folder path", param="path")
+    """`path` with its symlinks resolved, if it lies inside `allowed_dir` (itself resolved) and so do the
+    checkpoint files in it (a `model.safetensors` symlink may not lead out); a 403 otherwise. Nothing is
+    said about whether the path exists."""
+    if not path or "\x00" in path or invalid_unicode(path) is not None:
+        raise APIError(400, "path must be a non-empty folder path (valid Unicode, no NUL)", param="path")
     resolved = Path(os.path.realpath(path))
-    if not resolved.is_relative_to(allowed_dir):
+    # the folder and the files the loader opens in it (a shard is already kept inside the folder by the loader)
+    files = (resolved, *(Path(os.path.realpath(resolved / name)) for name in (INDEX_FILE, SINGLE_FILE)))
+    if not all(file.is_relative_to(allowed_dir) for file in files):
         raise APIError(403, f"reloading from outside the allowed weights directory {str(allowed_dir)!r} is refused "
                             "(start the server with --allowed-weights-dir to allow another folder)",
                        param="path", code="path_not_allowed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torpor.server.state import ServerState
 
 ASLEEP_TIMEOUT_HEADER = "x-asleep-timeout"
+ENGINE_STOPPED = "the engine has stopped; restart the server"
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
@@ -112,7 +113,7 @@ async def _generate(request: Request, server: ServerState, endpoint: str, fmt: R
     except RequestError as exc:
         param = ("prompt" if endpoint == "completions" else "messages") if exc.field == "prompt" else exc.field
         raise APIError(400, str(exc), param=param, code=exc.code) from None
-    await _wait_if_asleep(request, server)
+    timeout = await _wait_if_asleep(request, server)
     streams: list[RequestStream] = []
     try:
         for i, token_ids in enumerate(prompts):
@@ -127,14 +128,21 @@ async def _generate(request: Request, server: ServerState, endpoint: str, fmt: R
         server.metrics.observe_request(endpoint, time.perf_counter() - start, len(output.prompt_token_ids),
                                        sum(len(c.token_ids) for c in output.outputs))
 
+    def expire() -> Awaitable[None]:
+        return _expire_if_not_served(server, streams, timeout)
+
     if body.stream:
-        events = _stream_events(streams, fmt, params.n, prompts, body.include_usage, done)
+        events = _stream_events(streams, fmt, params.n, prompts, body.include_usage, done,
+                                None if timeout is None else expire)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    expiry = None if timeout is None else asyncio.ensure_future(expire())
     try:
         outputs = await _unless_disconnected(request, asyncio.gather(*(stream.result() for stream in streams)))
     except Exception as exc:
         raise engine_error(exc) from None
     finally:
+        if expiry is not None:
+            expiry.cancel()
         for stream in streams:
             stream.abort()
     for output in outputs:
@@ -142,11 +150,12 @@ async def _generate(request: Request, server: ServerState, endpoint: str, fmt: R
     return fmt.response(list(outputs))
 
 
-async def _wait_if_asleep(request: Request, server: ServerState) -> None:
+async def _wait_if_asleep(request: Request, server: ServerState) -> float | None:
     """With an asleep timeout (the header's, else the server's), a request the engine does not serve
-    within it gets 503; without one it queues until the engine serves again."""
+    within it gets 503; without one it queues until the engine serves again. Returns the timeout (it
+    also bounds the wait of a request queued before a sleep: `_expire_if_not_served`)."""
     if not server.engine.alive:
-        raise APIError(503, "the engine has stopped; restart the server", code="engine_dead")
+        raise APIError(503, ENGINE_STOPPED, code="engine_dead")
     header = request.headers.get(ASLEEP_TIMEOUT_HEADER)
     timeout = server.config.asleep_timeout
     if header is not None:
@@ -157,13 +166,27 @@ async def _wait_if_asleep(request: Request, server: ServerState) -> None:
         except ValueError:
             raise APIError(400, f"the {ASLEEP_TIMEOUT_HEADER} header must be a number of seconds >= 0, got "
                                 f"{header!r}", param=ASLEEP_TIMEOUT_HEADER) from None
-    if timeout is None or server.engine.serving:
-        return
-    if not await server.engine.wait_until_serving(timeout):
-        state = server.engine.state
-        code = "weights_discarded" if not state.is_sleeping and not state.weights_valid else "engine_asleep"
-        raise APIError(503, f"the engine did not serve within {timeout:g} s: {state.not_serving_reason()}",
-                       code=code)
+    if timeout is not None and not server.engine.serving and not await server.engine.wait_until_serving(timeout):
+        raise _not_served_error(server, timeout)
+    return timeout
+
+
+async def _expire_if_not_served(server: ServerState, streams: list[RequestStream], timeout: float) -> None:
+    """Once the engine has not served for `timeout` seconds in a row (a sleep came while these requests
+    were queued), end those still waiting with the 503 of `_wait_if_asleep`; outputs already delivered
+    (a sleep's drain) are read first."""
+    await server.engine.not_served_for(timeout)
+    error = _not_served_error(server, timeout)
+    for stream in streams:
+        stream.fail(error)
+
+
+def _not_served_error(server: ServerState, timeout: float) -> APIError:
+    if not server.engine.alive:
+        return APIError(503, ENGINE_STOPPED, code="engine_dead")
+    state = server.engine.state
+    code = "weights_discarded" if not state.is_sleeping and not state.weights_valid else "engine_asleep"
+    return APIError(503, f"the engine did not serve within {timeout:g} s: {state.not_serving_reason()}", code=code)
 
 
 async def _unless_disconnected(request: Request, awaitable):
@@ -187,11 +210,12 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _stream_events(streams: list[RequestStream], fmt: ResponseFormat, n: int, prompts: list[list[int]],
-                         include_usage: bool, done) -> AsyncIterator[str]:
+                         include_usage: bool, done, expire: Callable[[], Awaitable[None]] | None = None
+                         ) -> AsyncIterator[str]:
     """Server-sent events: an opening chunk per choice (chat), one chunk per step for each choice that gained
     text or tokens (choice index = prompt index * n + sample index; the engine's deltas, stop strings already
     applied), each choice's final chunk with its finish reason, the usage (if asked for), then `[DONE]`. An
-    engine error ends the stream with an error event."""
+    engine error, or `expire` (see `_expire_if_not_served`), ends the stream with an error event."""
     merged: asyncio.Queue = asyncio.Queue()  # (prompt index, output or error) from every prompt's stream
 
     async def pump(i: int, stream: RequestStream) -> None:
@@ -202,6 +226,8 @@ async def _stream_events(streams: list[RequestStream], fmt: ResponseFormat, n: i
             await merged.put((i, exc))
 
     pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    if expire is not None:
+        pumps.append(asyncio.create_task(expire()))
     ended: set[int] = set()  # choices whose final chunk went out
     num_output_tokens, num_open = 0, len(streams)
     try:

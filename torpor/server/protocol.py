@@ -257,7 +257,7 @@ class ChatCompletionRequest(GenerationRequest):
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
         try:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 **(self.chat_template_kwargs or {}))
+                                                 **template_kwargs(self.chat_template_kwargs))
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         except TypeError as exc:  # chat_template_kwargs naming one of the template's own arguments
@@ -287,6 +287,22 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
         raise APIError(400, f"{param}={requested} exceeds this server's limit of {cap}", param=param,
                        code="max_tokens_exceeded")
     return requested
+
+
+# The template call's own arguments: chat_template_kwargs are template variables and may not set these
+# (a `chat_template` from a request would run the client's Jinja code in the server's event loop).
+TEMPLATE_CALL_ARGUMENTS = frozenset({"messages", "chat_template", "tokenize", "add_generation_prompt",
+                                     "continue_final_message", "tools"})
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's `chat_template_kwargs`, refused with a 400 if one names an argument of the template call."""
+    clashing = sorted(TEMPLATE_CALL_ARGUMENTS & set(kwargs or {}))
+    if clashing:
+        raise APIError(400, f"chat_template_kwargs may not set {clashing}: they are arguments of the template call, "
+                            "not template variables (a request cannot bring its own chat template)",
+                       param="chat_template_kwargs", code="unsupported_parameter")
+    return dict(kwargs or {})
 
 
 def check_logprobs(value: int | None, param: str) -> None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torpor.engine.chat_template import ChatTemplateError
 from torpor.server.auth import require_api_key
 from torpor.server.errors import APIError
+from torpor.server.protocol import invalid_unicode, template_kwargs
 
 if TYPE_CHECKING:
     from torpor.server.state import ServerState
@@ -53,6 +54,7 @@ class DetokenizeRequest(_Request):
 async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict:
     server: ServerState = request.app.state.server
     _check_model(server, body.model)
+    _check_unicode(body)
     tokenizer = server.engine.tokenizer
     text = _render(tokenizer, body) if isinstance(body, TokenizeChatRequest) else body.prompt
     tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
@@ -79,11 +81,19 @@ def _render(tokenizer, body: TokenizeChatRequest) -> str:
     try:
         return tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message, tools=body.tools,
-                                             **(body.chat_template_kwargs or {}))
+                                             **template_kwargs(body.chat_template_kwargs))
     except ChatTemplateError as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     except (ValueError, TypeError) as exc:  # no template, malformed messages, clashing options
         raise APIError(400, str(exc), param="messages") from None
+
+
+def _check_unicode(body: BaseModel) -> None:
+    bad = invalid_unicode(body)
+    if bad is not None:
+        where, text = bad
+        raise APIError(400, f"{where}: invalid unicode: the text holds a lone surrogate {text!r} (a UTF-16 half that "
+                            "encodes no character)", param=where, code="invalid_unicode")
 
 
 def _check_model(server: ServerState, model: str | None) -> None:
