@@ -176,12 +176,27 @@ def test_shard_names_that_leave_the_folder_are_refused(checkpoints, tmp_path):
         with pytest.raises(CheckpointError, match="leaves the checkpoint folder"):
             load_weights(model, path)
     path, first = _sharded(src, tmp_path / "symlink", "link.safetensors")
-    os.symlink(outside, path / "link.safetensors")
-    with pytest.raises(CheckpointError, match="resolves outside the checkpoint folder"):
-        load_weights(model, path)
-    (path / "link.safetensors").unlink()
     os.symlink(path / first, path / "link.safetensors")  # a symlink inside the folder is fine
     load_weights(model, path)
+
+
+def test_shards_linked_from_a_hugging_face_cache_snapshot_load(checkpoints, tmp_path):
+    """A Hugging Face cache snapshot: `snapshots/<rev>/*` are symlinks to `../../blobs/<hash>` (outside the
+    snapshot folder); the shards' names stay inside it, so the checkpoint loads."""
+    src = checkpoints["llama"]
+    blobs, snapshot = tmp_path / "repo" / "blobs", tmp_path / "repo" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(src.iterdir())):
+        blob = blobs / f"blob{i}"
+        shutil.copy(file, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    model = new_model(src)
+    load_weights(model, snapshot)
+    reference = new_model(src)
+    load_weights(reference, src)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(),
+                                                   strict=True))
 
 
 def test_duplicate_tensor_across_shards(checkpoints, tmp_path):

@@ -155,6 +155,14 @@ def test_checkpoint_files_linked_from_outside_are_403(server, weights_root, tmp_
         (folder / name).symlink_to(outside / name)
         error = error_of(server.admin.post("/reload_weights", json={"path": str(folder)}), 403)
         assert error["code"] == "path_not_allowed" and error["param"] == "path"
+    sharded = weights_root / "linked-shard"  # an index inside, naming a shard that is a link to a file outside
+    shutil.rmtree(sharded, ignore_errors=True)
+    sharded.mkdir()
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+    (sharded / "model-00001-of-00001.safetensors").symlink_to(outside / "model.safetensors")
+    error = error_of(server.admin.post("/reload_weights", json={"path": str(sharded)}), 403)
+    assert error["code"] == "path_not_allowed"
     linked = weights_root / "linked-inside"  # a link to a file inside the allowed directory is fine
     shutil.rmtree(linked, ignore_errors=True)
     linked.mkdir()

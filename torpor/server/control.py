@@ -30,7 +30,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from torpor.engine import rpc
-from torpor.engine.loader import INDEX_FILE, SINGLE_FILE
+from torpor.engine.loader import INDEX_FILE, SINGLE_FILE, CheckpointError, checkpoint_files
 from torpor.engine.sleep_mode import SLEEP_LEVELS, SLEEP_TAGS
 from torpor.server.auth import require_admin
 from torpor.server.errors import APIError, engine_error, is_safetensors_error
@@ -222,14 +222,18 @@ RPC_METHODS = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is
 
 # ---- helpers --------------------------------------------------------------------------------------
 def allowed_checkpoint_path(path: str, allowed_dir: Path) -> str:
-    """`path` with its symlinks resolved, if it lies inside `allowed_dir` (itself resolved) and so do the
-    checkpoint files in it (a `model.safetensors` symlink may not lead out); a 403 otherwise. Nothing is
-    said about whether the path exists."""
+    """`path` with its symlinks resolved, if it lies inside `allowed_dir` (itself resolved) and so does every
+    file the loader would open in it (the index, the single file, each shard the index lists: a symlink may
+    not lead out); a 403 otherwise. Nothing is said about whether the path exists (the reload says what is
+    wrong with a folder that is not a checkpoint)."""
     if not path or "\x00" in path or invalid_unicode(path) is not None:
         raise APIError(400, "path must be a non-empty folder path (valid Unicode, no NUL)", param="path")
     resolved = Path(os.path.realpath(path))
-    # the folder and the files the loader opens in it (a shard is already kept inside the folder by the loader)
-    files = (resolved, *(Path(os.path.realpath(resolved / name)) for name in (INDEX_FILE, SINGLE_FILE)))
+    try:
+        shards = checkpoint_files(resolved) if resolved.is_relative_to(allowed_dir) else []
+    except (OSError, CheckpointError):
+        shards = []
+    files = (resolved, *(Path(os.path.realpath(f)) for f in (resolved / INDEX_FILE, resolved / SINGLE_FILE, *shards)))
     if not all(file.is_relative_to(allowed_dir) for file in files):
         raise APIError(403, f"reloading from outside the allowed weights directory {str(allowed_dir)!r} is refused "
                             "(start the server with --allowed-weights-dir to allow another folder)",
