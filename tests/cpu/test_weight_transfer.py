@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 
@@ -382,6 +383,17 @@ def test_process_group_push_and_failures(server, tiny_model_path, new_weights_pa
     assert _served(server) == old
 
 
+def test_a_trainer_whose_group_the_engine_refuses_fails_at_once(server):
+    """The engine answers 403 (a wrong admin token) or 400 at once; before, the trainer still waited the whole
+    rendezvous timeout for a rank that would never come, then reported that instead of the engine's answer."""
+    from torpor.rl import DistributedPusher
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"group failed: the engine answered 403.*admin token is wrong"):
+        DistributedPusher(server.url, "wrong-token", "127.0.0.1", _free_port(), "cpu", timeout=60)
+    assert time.monotonic() - start < 15
+
+
 def test_unpickler_payload_limits():
     t = torch.zeros(1024)
     torch.multiprocessing.set_sharing_strategy("file_system")
@@ -500,6 +512,102 @@ def test_memo_references_cannot_multiply_the_tensors():
         named_tensors_of([("a", flat)] * 1_000_000, None)
     assert len(named_tensors_of([bucket] * 100, "flattened_bucket")) == 100_000
 
+# ---- the process-group path in process: the trainer is a thread (its own standalone group) ----------
+def _trainer_group(llm, name: str, timeout: float = 30.0):
+    """A group of 2 between a trainer thread of this process (rank 0, hosting the store) and `llm` (rank 1)."""
+    import threading
+
+    from torpor.engine.weight_transfer import open_update_group
+
+    port, box = _free_port(), {}
+    host = threading.Thread(target=lambda: box.setdefault("group", open_update_group(
+        "127.0.0.1", port, 0, 2, name, "gloo", torch.device("cpu"), timeout, is_master=True)))
+    host.start()
+    llm.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo", timeout=timeout)
+    host.join(timeout)
+    return box["group"]
+
+
+def _broadcast_in_thread(group, tensors):
+    """The trainer's broadcasts in a thread; the result holds the error they ended with (None: all sent)."""
+    import threading
+
+    from torpor.engine.weight_transfer import broadcast
+
+    result = {}
+
+    def send() -> None:
+        try:
+            for tensor in tensors:
+                broadcast(group, tensor)
+            result["error"] = None
+        except RuntimeError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_refused_distributed_update_destroys_the_group_and_frees_the_trainer(tiny_model_path, new_weights_path,
+                                                                              expected):
+    """The trainer broadcasts while the engine refuses the update (an unknown name): nobody receives its
+    broadcasts, so the group's stream is out of step. Before: the engine kept the group, the trainer sat
+    in its broadcast for the group's whole timeout; now the group is destroyed and the trainer fails at once."""
+    from torpor.engine.weight_transfer import destroy_group_handle
+
+    llm = LLM(tiny_model_path, **ENGINE)
+    named = list(iter_checkpoint(new_weights_path))
+    names, shapes = [n for n, _ in named], [list(t.shape) for _, t in named]
+    group = _trainer_group(llm, "refused", timeout=60)
+    trainer, result = _broadcast_in_thread(group, [t for _, t in named])
+    with pytest.raises(ValueError, match=r"unknown tensor 'model.nope'.*'refused' is destroyed"):
+        llm.update_weights_from_distributed(["model.nope", *names[1:]], ["float32"] * len(named), shapes, "refused")
+    trainer.join(10)
+    assert not trainer.is_alive() and result["error"] is not None  # not after the 60 s timeout
+    destroy_group_handle(group)
+    assert _answers(llm) == expected.old
+    group = _trainer_group(llm, "refused")  # the name is free again; a whole push works
+    trainer, result = _broadcast_in_thread(group, [t for _, t in named])
+    assert llm.update_weights_from_distributed(names, ["float32"] * len(named), shapes, "refused") == len(named)
+    trainer.join(10)
+    assert result == {"error": None}
+    assert _answers(llm) == expected.new
+    llm.destroy_weights_update_group("refused")
+    destroy_group_handle(group)
+
+
+def _open_fds_and_threads() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def test_closing_the_engine_destroys_its_groups(tiny_model_path):
+    """Before: the groups were the process's, not the engine's; a closed engine left its group's sockets and
+    gloo threads behind, and the next engine of the process could not init a group of the same name."""
+    import gc
+
+    from torpor.engine.weight_transfer import destroy_group_handle
+
+    llm = LLM(tiny_model_path, **ENGINE)
+    for _ in range(3):  # repeated init / destroy leaks nothing either
+        group = _trainer_group(llm, "closing")
+        llm.destroy_weights_update_group("closing")
+        destroy_group_handle(group)
+        del group
+        gc.collect()
+    before = _open_fds_and_threads()
+    group = _trainer_group(llm, "closing")
+    llm.close()
+    destroy_group_handle(group)
+    del group
+    gc.collect()
+    assert _open_fds_and_threads() == before
+    llm = LLM(tiny_model_path, **ENGINE)
+    group = _trainer_group(llm, "closing")
+    llm.destroy_weights_update_group("closing")
+    destroy_group_handle(group)
+
+
 # ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
 TP_TRAINER = """
     import sys, torch
@@ -542,8 +650,13 @@ def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weigh
         assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.new]
         llm.update_weights(iter_checkpoint(tiny_model_path))
         assert [t for t, _ in _answers(llm)] == [t for t, _ in expected.old]
-        # by process group: ranks 1 and 2 of 3 are this engine's two ranks
+        # by process group: ranks 1 and 2 of 3 are this engine's two ranks. A world of 2 cannot hold them:
+        # refused before any rank joins (before: rank 0 joined the trainer's group as rank 1 of 2, rank 1 failed)
+        with pytest.raises(ValueError, match=r"world_size 2 cannot hold the engine's 2 rank\(s\)"):
+            llm.init_weights_update_group("127.0.0.1", port, 1, 2, "tp", "gloo", timeout=60)
         llm.init_weights_update_group("127.0.0.1", port, 1, 3, "tp", "gloo", timeout=60)
+        with pytest.raises(ValueError, match="'tp' exists already"):  # and the first one stays whole
+            llm.init_weights_update_group("127.0.0.1", port, 1, 3, "tp", "gloo", timeout=60)
         named = list(iter_checkpoint(new_weights_path))
         result = {}
         receive = threading.Thread(target=lambda: result.setdefault("count", llm.update_weights_from_distributed(

@@ -208,6 +208,9 @@ class LLMEngine:
     def close(self) -> None:
         """Free the CUDA graphs and the GEMM workspace and stop the tensor-parallel workers; the engine
         cannot run afterwards."""
+        from torpor.engine.weight_transfer import destroy_all_groups
+
+        destroy_all_groups(getattr(self.model_runner, "local", self.model_runner))  # workers' go with them
         self.model_runner.close()
 
     # ---- the loop ----------------------------------------------------------------------

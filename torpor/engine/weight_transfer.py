@@ -40,7 +40,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -710,15 +710,24 @@ class UpdateGroup:
     device: torch.device
 
 
-_groups: dict[str, UpdateGroup] = {}  # this process's groups, by name
-_groups_lock = threading.Lock()
+_groups_lock = threading.Lock()  # every runner's groups (a server joins off the engine thread at TP=1)
+
+
+def groups_of(runner) -> dict[str, UpdateGroup | None]:
+    """One rank's groups, by name (None: reserved while it forms); they belong to its `ModelRunner` and go
+    with it (`destroy_all_groups`), not with the process."""
+    groups = getattr(runner, "_weight_groups", None)
+    if groups is None:
+        groups = runner._weight_groups = {}
+    return groups
 
 
 def open_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                       backend: str, device: torch.device, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                      is_master: bool = False) -> UpdateGroup:
+                      is_master: bool = False, give_up: Callable[[], str | None] | None = None) -> UpdateGroup:
     """Join (or, `is_master`: host) the standalone group `group_name`. Every rank checks in on the store
-    first; a rank missing after `timeout_s` → WeightTransferError, and nothing is left behind."""
+    first; a rank missing after `timeout_s` → WeightTransferError, and nothing is left behind. `give_up`:
+    polled while waiting; a reason it returns ends the wait at once (e.g. the engine refused to join)."""
     import torch.distributed as dist
 
     _check_group_args(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
@@ -733,7 +742,7 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
         raise WeightTransferError(f"weights update group {group_name!r}: cannot reach the trainer's store at "
                                   f"{master_address}:{master_port} within {timeout_s:g} s: {e}") from None
     store = dist.PrefixStore(f"torpor-weights/{group_name}/", store)
-    _rendezvous(store, rank, world_size, group_name, timeout_s)
+    _rendezvous(store, rank, world_size, group_name, timeout_s, give_up)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     else:
@@ -745,13 +754,17 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
     return handle
 
 
-def _rendezvous(store, rank: int, world_size: int, group_name: str, timeout_s: float) -> None:
+def _rendezvous(store, rank: int, world_size: int, group_name: str, timeout_s: float,
+                give_up: Callable[[], str | None] | None = None) -> None:
     store.set(f"joined/{rank}", b"1")
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
         if not missing:
             return
+        reason = give_up() if give_up is not None else None
+        if reason:
+            raise WeightTransferError(f"weights update group {group_name!r} will not form: {reason}")
         if time.monotonic() > deadline:
             raise WeightTransferError(f"weights update group {group_name!r} did not form within {timeout_s:g} s: "
                                       f"rank(s) {missing[:8]} of {world_size} never joined")
@@ -796,22 +809,34 @@ def broadcast(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
 def init_weights_update_group(engine, master_address: str, master_port: int, rank_offset: int, world_size: int,
                               group_name: str, backend: str | None = None,
                               timeout: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
-    """SGLang's `init_weights_update_group`: every engine rank joins as `rank_offset + tp_rank`."""
+    """SGLang's `init_weights_update_group`: every engine rank joins as `rank_offset + tp_rank`. Under tensor
+    parallelism a rank that fails to join makes every rank leave again (no rank is left in the group)."""
+    tp = engine.config.tensor_parallel_size
     if not _is_int(rank_offset) or rank_offset < 1:
         raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer's broadcasting rank), got {rank_offset!r}")
+    if _is_int(world_size) and rank_offset + tp > world_size:
+        raise ValueError(f"world_size {world_size} cannot hold the engine's {tp} rank(s) from rank_offset "
+                         f"{rank_offset} (needs at least {rank_offset + tp})")
     args = (master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
-    if engine.config.tensor_parallel_size == 1:
+    if tp == 1:
         rank_command(engine.model_runner, "init", *args)
-    else:
-        engine.model_runner.weights_group("init", *args)
+        return
+    runner = engine.model_runner
+    if group_name in groups_of(runner.local):  # refused before any rank acts (the roll-back would destroy it)
+        raise ValueError(f"weights update group {group_name!r} exists already; destroy it first")
+    try:
+        runner.weights_group("init", *args)
+    except BaseException:
+        runner.weights_group("drop", group_name)
+        raise
 
 
-def receive_named_tensors(group_name: str, names: Sequence[str], dtypes: Sequence,
+def receive_named_tensors(runner, group_name: str, names: Sequence[str], dtypes: Sequence,
                           shapes: Sequence) -> list[tuple[str, torch.Tensor]]:
     """The trainer's broadcasts of `names` (in order) into fresh tensors on this rank's device. All
     checked before anything is received; a broadcast that fails (trainer gone, timeout) destroys the group
     and raises WeightTransferError. Nothing is written to the model here."""
-    group = _group(group_name)
+    group = _group(runner, group_name)
     specs = _specs(names, dtypes, shapes)
     received = []
     for name, dtype, shape in specs:
@@ -819,7 +844,7 @@ def receive_named_tensors(group_name: str, names: Sequence[str], dtypes: Sequenc
         try:
             broadcast(group, tensor)
         except Exception as e:
-            destroy_update_group(group_name)
+            destroy_update_group(runner, group_name)
             raise WeightTransferError(f"weights update group {group_name!r} failed while receiving {name!r} "
                                       f"({len(received)} of {len(specs)} received; nothing was written, the "
                                       f"previous weights stay; the group is destroyed): {e}") from None
@@ -842,26 +867,47 @@ def _specs(names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...
     return specs
 
 
-def _group(group_name: str) -> UpdateGroup:
+def _group(runner, group_name: str) -> UpdateGroup:
     with _groups_lock:
-        group = _groups.get(group_name)
+        groups = groups_of(runner)
+        if group_name in groups and groups[group_name] is None:
+            raise ValueError(f"weights update group {group_name!r} is still forming (init_weights_update_group)")
+        group = groups.get(group_name)
     if group is None:
         raise ValueError(f"no weights update group {group_name!r}: call init_weights_update_group first")
     return group
+
+
+def _reserve(groups: dict, group_name: str) -> None:
+    """Hold `group_name` while it forms: a second init of it fails at once instead of replacing the first."""
+    with _groups_lock:
+        if group_name in groups:
+            raise ValueError(f"weights update group {group_name!r} exists already; destroy it first")
+        groups[group_name] = None
 
 
 def update_weights_from_distributed(engine, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
                                     group_name: str, flush_cache: bool = True) -> int:
     """SGLang's `update_weights_from_distributed`: every rank receives the trainer's broadcasts into fresh
     tensors; only once every rank has all of them are they copied (each rank keeps its shard). A failed
-    receive on any rank drops what every rank received: nothing is written. Returns the tensors loaded."""
+    receive on any rank drops what every rank received: nothing is written. Returns the tensors loaded.
+
+    An update refused before its first receive (weights asleep, a name / shape / dtype the checkpoint does
+    not have) destroys the group too: the trainer's broadcasts of it have no receiver, so the group's stream
+    is out of step; the trainer's broadcasts fail at once instead of at the group's timeout."""
     receiver = receiver_of(engine)
-    receiver.check_weights_awake("update_weights_from_distributed")
-    specs = _specs(names, dtypes, shapes)
-    receiver.manifest.check([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs])
+    try:
+        receiver.check_weights_awake("update_weights_from_distributed")
+        specs = _specs(names, dtypes, shapes)
+        receiver.manifest.check([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs])
+    except (ValueError, RuntimeError) as e:
+        if _abandon(engine, group_name):
+            raise type(e)(f"{e} (weights update group {group_name!r} is destroyed: its stream is out of step "
+                          "with the trainer; init it again)") from e
+        raise
     names = [n for n, _, _ in specs]
     if engine.config.tensor_parallel_size == 1:
-        pairs = receive_named_tensors(group_name, names, dtypes, shapes)
+        pairs = receive_named_tensors(engine.model_runner, group_name, names, dtypes, shapes)
         return receiver.apply(pairs, flush_cache)
     runner = engine.model_runner
     try:
@@ -870,6 +916,21 @@ def update_weights_from_distributed(engine, names: Sequence[str], dtypes: Sequen
         runner.weights_group("drop", group_name)
         raise
     return receiver.commit(names, lambda: runner.weights_group("apply", group_name), flush_cache)
+
+
+def _abandon(engine, group_name: str) -> bool:
+    """Destroy `group_name` on every rank that has it; returns whether rank 0 had it."""
+    runner = engine.model_runner
+    if engine.config.tensor_parallel_size == 1:
+        return destroy_update_group(runner, group_name)
+    existed = _group_exists(runner.local, group_name)
+    runner.weights_group("drop", group_name)
+    return existed
+
+
+def _group_exists(runner, group_name: str) -> bool:
+    with _groups_lock:
+        return groups_of(runner).get(group_name) is not None
 
 
 def destroy_weights_update_group(engine, group_name: str) -> None:
@@ -890,13 +951,17 @@ def rank_command(runner, op: str, *args):
 
     if op == "init":
         address, port, rank_offset, world_size, group_name, backend, timeout = args
+        groups = groups_of(runner)
+        _reserve(groups, group_name)
+        try:
+            group = open_update_group(address, port, rank_offset + tp_rank(), world_size, group_name, backend,
+                                      runner.device, timeout)
+        except BaseException:
+            with _groups_lock:
+                groups.pop(group_name, None)
+            raise
         with _groups_lock:
-            if group_name in _groups:
-                raise ValueError(f"weights update group {group_name!r} exists already; destroy it first")
-        group = open_update_group(address, port, rank_offset + tp_rank(), world_size, group_name, backend,
-                                  runner.device, timeout)
-        with _groups_lock:
-            _groups[group_name] = group
+            groups[group_name] = group
         return None
     if op == "open":  # this rank's entry of a per-rank update_weights_from_tensor
         serialized, load_format = args
@@ -907,7 +972,7 @@ def rank_command(runner, op: str, *args):
         return [name for name, _ in pairs]
     if op == "receive":
         group_name, names, dtypes, shapes = args
-        _staged[group_name] = receive_named_tensors(group_name, names, dtypes, shapes)
+        _staged[group_name] = receive_named_tensors(runner, group_name, names, dtypes, shapes)
         return len(_staged[group_name])
     if op == "apply":
         (group_name,) = args
@@ -918,12 +983,13 @@ def rank_command(runner, op: str, *args):
             return count
         finally:
             release_transfer_memory(tensors)
-    if op == "drop":
+    if op == "drop":  # a failed or refused update: its staged tensors go, and the group (out of step) with them
         _staged.pop(args[0], None)
+        destroy_update_group(runner, args[0])
         return None
     if op == "destroy":
         _staged.pop(args[0], None)
-        if not destroy_update_group(args[0]):
+        if not destroy_update_group(runner, args[0]):
             raise ValueError(f"no weights update group {args[0]!r}")
         return None
     raise ValueError(f"unknown weights group operation {op!r}")
@@ -939,14 +1005,24 @@ def _rank_manifest(runner) -> Manifest:
     return _manifests[path]
 
 
-def destroy_update_group(group_name: str) -> bool:
-    """Forget the group (its communicator goes with the object). Returns whether it existed."""
+def destroy_update_group(runner, group_name: str) -> bool:
+    """Forget the group (its communicator goes with the object). Returns whether it existed (one still
+    forming is left to its init)."""
     with _groups_lock:
-        group = _groups.pop(group_name, None)
+        groups = groups_of(runner)
+        group = groups.pop(group_name) if groups.get(group_name) is not None else None
     if group is None:
         return False
     destroy_group_handle(group)
     return True
+
+
+def destroy_all_groups(runner) -> None:
+    """Every group of this rank (its engine closes): their sockets and threads go now."""
+    with _groups_lock:
+        names = [name for name, group in groups_of(runner).items() if group is not None]
+    for name in names:
+        destroy_update_group(runner, name)
 
 
 def destroy_group_handle(group: UpdateGroup) -> None:

@@ -17,7 +17,7 @@ import base64
 import io
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 
@@ -187,7 +187,7 @@ class DistributedPusher:
                  backend: str | None = None, timeout: float = 120.0) -> None:
         import httpx
 
-        from torpor.engine.weight_transfer import open_update_group
+        from torpor.engine.weight_transfer import destroy_group_handle, open_update_group
 
         self.device, self.group_name = torch.device(device), group_name
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
@@ -198,11 +198,18 @@ class DistributedPusher:
             joined = pool.submit(self.http.post, "/init_weights_update_group", json=body)
             try:
                 self.group = open_update_group(master_address, master_port, 0, 1 + engine_ranks, group_name,
-                                               backend, self.device, timeout, is_master=True)
-            finally:
-                response = joined.result()
-        if response.status_code != 200:
-            raise RuntimeError(f"init_weights_update_group failed ({response.status_code}): {response.text}")
+                                               backend, self.device, timeout, is_master=True,
+                                               give_up=lambda: _refusal(joined))
+            except BaseException as e:
+                wait([joined])  # the engine's answer says why better than the wait that ended here
+                reason = _refusal(joined)
+                if reason:
+                    raise RuntimeError(f"init_weights_update_group failed: {reason}") from e
+                raise
+        reason = _refusal(joined)
+        if reason:
+            destroy_group_handle(self.group)
+            raise RuntimeError(f"init_weights_update_group failed: {reason}")
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
         """Broadcast every tensor, in order, while the engine receives them (one request for all)."""
@@ -233,3 +240,13 @@ class DistributedPusher:
             destroy_group_handle(self.group)
             self.http.close()
 
+
+
+def _refusal(answer) -> str | None:
+    """Why the engine refused a request still in flight (a Future of its response), or None (no answer yet, or OK)."""
+    if not answer.done():
+        return None
+    if answer.exception() is not None:
+        return f"the request failed: {answer.exception()!r}"
+    response = answer.result()
+    return None if response.status_code == 200 else f"the engine answered {response.status_code}: {response.text}"
