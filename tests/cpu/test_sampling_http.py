@@ -111,6 +111,9 @@ def test_chat_passes_the_options(server):
     ("/v1/completions", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"1024": 1}}, "logit_bias"),
+    ("/v1/completions", {"stop_token_ids": [1024], "min_tokens": 1}, "stop_token_ids"),
+    ("/v1/chat/completions", {"stop_token_ids": [7, 99999]}, "stop_token_ids"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])

@@ -348,6 +348,16 @@ def test_bad_logit_bias_is_refused_and_the_engine_serves_on(tiny):
     assert len(tiny.generate(PROMPTS[:1], greedy(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
+def test_out_of_vocab_stop_token_ids_are_refused_and_the_engine_serves_on(tiny):
+    """min_tokens masks the stop tokens by index: an id beyond the vocabulary failed the whole step (every
+    request in the batch; on CUDA a device-side assert) instead of refusing the one request."""
+    with pytest.raises(ValueError, match=r"stop_token_ids .*\[0, 1024\).*\[1024\]") as refused:
+        tiny.generate(PROMPTS[:1], greedy(max_tokens=4, min_tokens=2, stop_token_ids=[5, 1024]))
+    assert refused.value.field == "stop_token_ids"
+    assert tiny.engine.is_finished()
+    assert len(tiny.generate(PROMPTS[:1], greedy(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
 def test_history_lives_in_the_runtime_tag_and_survives_sleep(tiny_model_path):
     memory = MemoryManager("cpu")
     llm = LLM(tiny_model_path, memory=memory, **ENGINE)

@@ -128,8 +128,8 @@ class LLMEngine:
                                "sampling_params")
         try:
             params.check_vocab(self.vocab_size)
-        except ValueError as exc:
-            raise RequestError(str(exc), "logit_bias") from None
+        except ValueError as exc:  # the message begins with the field at fault
+            raise RequestError(str(exc), str(exc).split(" ", 1)[0]) from None
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         token_ids, text = self._prompt_tokens(prompt)

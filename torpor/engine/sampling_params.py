@@ -72,9 +72,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Normalise the list-like fields to tuples so the params stay hashable and immutable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stop = (self.stop,) if isinstance(self.stop, str) else _items("stop", self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", _items("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
@@ -157,10 +157,14 @@ class SamplingParams:
         return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError when logit_bias names a token outside the model's vocabulary."""
-        bad = [token_id for token_id, _ in self.logit_bias if token_id >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), got {bad[:5]}")
+        """ValueError (its first word the field) when logit_bias or stop_token_ids names a token outside the
+        model's vocabulary (min_tokens masks the stop tokens by index: such an id would fail the whole step)."""
+        fields = {"logit_bias token ids": [token_id for token_id, _ in self.logit_bias],
+                  "stop_token_ids": self.stop_token_ids}
+        for name, ids in fields.items():
+            bad = [token_id for token_id in ids if token_id >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad[:5]}")
 
 
 def _is_finite(value: object) -> bool:
@@ -183,6 +187,18 @@ def _bias_pairs(bias: Mapping[int, float] | Iterable[tuple[int, float]] | None) 
     if len(set(ids)) != len(ids):
         raise ValueError(f"logit_bias names a token id twice: {sorted(ids)[:10]}")
     return tuple(sorted(pairs))
+
+
+def _items(name: str, value: object) -> tuple:
+    """A list-like field as a tuple (None: empty); ValueError naming it for a scalar or a mapping."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        try:
+            return tuple(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be a list, got {value!r}")
 
 
 def _check_int(name: str, value: object) -> None:
