@@ -24,7 +24,8 @@ class SamplingParams:
         silently mean "off").
     max_tokens: output tokens at most (the sequence also stops at the engine's max_model_len).
     stop: string(s) that end the output when they appear in the text (excluded from the text).
-    stop_token_ids: token ids that end the output (applied even with ignore_eos).
+    stop_token_ids: token ids that end the output (applied even with ignore_eos). The token that ends it,
+        like an eos token, stays in the output's token ids but adds no text (vLLM).
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     seed: makes sampling reproducible per request, whatever else shares the batch. Any int;
         unseeded requests get a seed from the engine's seed in arrival order.
@@ -40,7 +41,8 @@ class SamplingParams:
     min_tokens: the end-of-sequence tokens and stop_token_ids cannot be sampled, and stop strings do not
         end the output, before this many output tokens (at most max_tokens).
     skip_special_tokens: leave special tokens out of the output text.
-    include_stop_str_in_output: keep the stop string that ended the output at the end of the text.
+    include_stop_str_in_output: keep the stop string that ended the output at the end of the text (or the
+        text of the eos / stop_token_ids token that ended it).
     logit_bias: token id -> value in [-100, 100] added to its logit before everything else (the ids are
         checked against the vocabulary when the request is made). Stored as sorted (id, value) pairs.
 
