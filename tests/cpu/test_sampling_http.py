@@ -2,6 +2,8 @@
 `openai` client): every option reaches the engine (the answer equals `LLM.generate` with the same
 `SamplingParams`), bad values and unbuilt features are a 400 naming the field."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -111,6 +113,9 @@ def test_chat_passes_the_options(server):
     ("/v1/completions", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"1024": 1}}, "logit_bias"),
+    ("/v1/completions", {"stop_token_ids": [1024], "min_tokens": 1}, "stop_token_ids"),
+    ("/v1/chat/completions", {"stop_token_ids": [7, 99999]}, "stop_token_ids"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
@@ -136,3 +141,28 @@ def test_defaults_of_refused_fields_are_accepted(server, path, extra):
     _, _, http = server
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     assert http.post(path, json={**body, "max_tokens": 2, **extra}).status_code == 200
+
+
+def test_stop_reason_names_what_ended_each_choice(server):
+    """vLLM's `stop_reason` on every choice, whole and streamed: the stop string or stop token id that
+    ended it, null for eos and length."""
+    _, _, http = server
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions",
+                                                                   {"messages": [{"role": "user", "content": "hi"}]})):
+        body = {**body, "temperature": 0, "max_tokens": 16, "ignore_eos": True}
+        choice = http.post(path, json=body).json()["choices"][0]
+        full = choice["text"] if "text" in choice else choice["message"]["content"]
+        start = next(i for i in range(2, len(full) - 2) if full.index(full[i:i + 2]) == i)
+        cases = [({"stop": [full[start:start + 2]]}, "stop", full[start:start + 2]),
+                 ({"logit_bias": {"77": 100}, "stop_token_ids": [77]}, "stop", 77),
+                 ({"logit_bias": {str(EOS): 100}, "ignore_eos": False}, "stop", None),
+                 ({}, "length", None)]
+        for extra, finish_reason, stop_reason in cases:
+            request = {**body, **extra}
+            choice = http.post(path, json=request).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == (finish_reason, stop_reason), (path, extra)
+            with http.stream("POST", path, json={**request, "stream": True}) as response:
+                chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                          if line.startswith("data: {") and '"choices":[{' in line.replace(" ", "")]
+            reasons = [(c["choices"][0].get("finish_reason"), c["choices"][0].get("stop_reason")) for c in chunks]
+            assert reasons[-1] == (finish_reason, stop_reason) and set(reasons[:-1]) <= {(None, None)}, (path, extra)

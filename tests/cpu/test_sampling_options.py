@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from torpor.engine import LLM
+from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampler import Sampler, TokenHistory
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.sequence import Sequence
@@ -344,6 +345,52 @@ def test_seeded_options_do_not_depend_on_the_batch(tiny):
 def test_bad_logit_bias_is_refused_and_the_engine_serves_on(tiny):
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 1024\)"):
         tiny.generate(PROMPTS, greedy(logit_bias={1024: 1.0}))
+    assert tiny.engine.is_finished()
+    assert len(tiny.generate(PROMPTS[:1], greedy(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def streamed_text(llm: LLM, prompt, params: SamplingParams) -> tuple[str, RequestOutput]:
+    """The concatenated text deltas of a streamed request, and its final output."""
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params, stream=True)
+    deltas, last = [], None
+    while not engine.is_finished():
+        for output in engine.step():
+            if output.request_id == request_id:
+                deltas.append(output.outputs[0].delta_text)
+                last = output
+    return "".join(deltas), last
+
+
+@pytest.mark.parametrize("stops", [(), ("never",)])
+def test_the_token_that_stops_the_output_adds_no_text(tiny, stops):
+    """vLLM: the eos or stop_token_ids token that ends the output is in token_ids but its text is not in the
+    text ("<|im_end|>" with skip_special_tokens=False, or an ordinary token named in stop_token_ids), unless
+    include_stop_str_in_output; streamed or not."""
+    tokenizer = tiny.tokenizer
+    cases = {  # params -> the text of the token that stopped the output
+        "stop_token_ids": (greedy(max_tokens=8, logit_bias={77: 100}, stop_token_ids=[77], min_tokens=3), "n"),
+        "eos kept special": (greedy(max_tokens=8, logit_bias={1023: 100}, ignore_eos=False, min_tokens=2,
+                                    skip_special_tokens=False), "<|im_end|>"),
+    }
+    for params, stop_text in cases.values():
+        for keep in (False, True):
+            p = SamplingParams(**{**{f: getattr(params, f) for f in params.__dataclass_fields__},
+                                  "stop": stops, "include_stop_str_in_output": keep})
+            out = tiny.generate(PROMPTS[:1], p)[0].outputs[0]
+            assert out.finish_reason == "stop" and out.stop_reason in (77, None)
+            before = tokenizer.decode(out.token_ids[:-1], skip_special_tokens=p.skip_special_tokens)
+            assert out.text == (before + stop_text if keep else before), (p, out)
+            text, last = streamed_text(tiny, PROMPTS[0], p)
+            assert text == last.outputs[0].text == out.text
+
+
+def test_out_of_vocab_stop_token_ids_are_refused_and_the_engine_serves_on(tiny):
+    """min_tokens masks the stop tokens by index: an id beyond the vocabulary failed the whole step (every
+    request in the batch; on CUDA a device-side assert) instead of refusing the one request."""
+    with pytest.raises(ValueError, match=r"stop_token_ids .*\[0, 1024\).*\[1024\]") as refused:
+        tiny.generate(PROMPTS[:1], greedy(max_tokens=4, min_tokens=2, stop_token_ids=[5, 1024]))
+    assert refused.value.field == "stop_token_ids"
     assert tiny.engine.is_finished()
     assert len(tiny.generate(PROMPTS[:1], greedy(max_tokens=2))[0].outputs[0].token_ids) == 2
 

@@ -85,6 +85,16 @@ class _Request:
         return all(seq.is_finished for seq in self.samples)
 
 
+def _text_token_ids(seq: Sequence) -> list[int]:
+    """The output tokens its text is made of: all but the eos or stop_token_ids token that ended it, unless
+    include_stop_str_in_output (vLLM: that token stays in token_ids, its text, e.g. "<|im_end|>" with
+    skip_special_tokens=False, is not output text). The scheduler has finished such a sequence before
+    its text is updated; one ended by a stop string has a string stop_reason."""
+    ids = seq.output_token_ids
+    stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+    return ids[:-1] if stopped_by_token and not seq.sampling_params.include_stop_str_in_output else ids
+
+
 WEIGHTS_INVALID = ("the weights are invalid: a reload or update failed after writing part of them; call "
                    "reload_weights() or a complete update_weights() before generating")
 
@@ -128,8 +138,8 @@ class LLMEngine:
                                "sampling_params")
         try:
             params.check_vocab(self.vocab_size)
-        except ValueError as exc:
-            raise RequestError(str(exc), "logit_bias") from None
+        except ValueError as exc:  # the message begins with the field at fault
+            raise RequestError(str(exc), str(exc).split(" ", 1)[0]) from None
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         token_ids, text = self._prompt_tokens(prompt)
@@ -240,7 +250,7 @@ class LLMEngine:
                 continue
             text = request.texts[seq.index]
             # (only incremental texts read the tokens: the slice is not made for the others, every step)
-            stop = text.update(seq.output_token_ids) if text.incremental else None
+            stop = text.update(_text_token_ids(seq)) if text.incremental else None
             if stop is not None:
                 if seq.is_finished:  # ended by this token anyway (eos, length): the stop string names it
                     seq.finish_reason, seq.stop_reason = "stop", stop
@@ -262,7 +272,7 @@ class LLMEngine:
         wholes, deltas, starts = [], [], []
         for i, (seq, text) in enumerate(zip(request.samples, request.texts, strict=True)):
             if seq.is_finished:
-                whole = text.final(seq.output_token_ids)
+                whole = text.final(_text_token_ids(seq))
                 delta = text.delta(whole)
             else:
                 delta = text.delta()

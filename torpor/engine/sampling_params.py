@@ -24,7 +24,8 @@ class SamplingParams:
         silently mean "off").
     max_tokens: output tokens at most (the sequence also stops at the engine's max_model_len).
     stop: string(s) that end the output when they appear in the text (excluded from the text).
-    stop_token_ids: token ids that end the output (applied even with ignore_eos).
+    stop_token_ids: token ids that end the output (applied even with ignore_eos). The token that ends it,
+        like an eos token, stays in the output's token ids but adds no text (vLLM).
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     seed: makes sampling reproducible per request, whatever else shares the batch. Any int;
         unseeded requests get a seed from the engine's seed in arrival order.
@@ -40,7 +41,8 @@ class SamplingParams:
     min_tokens: the end-of-sequence tokens and stop_token_ids cannot be sampled, and stop strings do not
         end the output, before this many output tokens (at most max_tokens).
     skip_special_tokens: leave special tokens out of the output text.
-    include_stop_str_in_output: keep the stop string that ended the output at the end of the text.
+    include_stop_str_in_output: keep the stop string that ended the output at the end of the text (or the
+        text of the eos / stop_token_ids token that ended it).
     logit_bias: token id -> value in [-100, 100] added to its logit before everything else (the ids are
         checked against the vocabulary when the request is made). Stored as sorted (id, value) pairs.
 
@@ -72,9 +74,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Normalise the list-like fields to tuples so the params stay hashable and immutable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stop = (self.stop,) if isinstance(self.stop, str) else _items("stop", self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", _items("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
@@ -157,10 +159,14 @@ class SamplingParams:
         return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError when logit_bias names a token outside the model's vocabulary."""
-        bad = [token_id for token_id, _ in self.logit_bias if token_id >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), got {bad[:5]}")
+        """ValueError (its first word the field) when logit_bias or stop_token_ids names a token outside the
+        model's vocabulary (min_tokens masks the stop tokens by index: such an id would fail the whole step)."""
+        fields = {"logit_bias token ids": [token_id for token_id, _ in self.logit_bias],
+                  "stop_token_ids": self.stop_token_ids}
+        for name, ids in fields.items():
+            bad = [token_id for token_id in ids if token_id >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad[:5]}")
 
 
 def _is_finite(value: object) -> bool:
@@ -183,6 +189,18 @@ def _bias_pairs(bias: Mapping[int, float] | Iterable[tuple[int, float]] | None) 
     if len(set(ids)) != len(ids):
         raise ValueError(f"logit_bias names a token id twice: {sorted(ids)[:10]}")
     return tuple(sorted(pairs))
+
+
+def _items(name: str, value: object) -> tuple:
+    """A list-like field as a tuple (None: empty); ValueError naming it for a scalar or a mapping."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        try:
+            return tuple(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be a list, got {value!r}")
 
 
 def _check_int(name: str, value: object) -> None:

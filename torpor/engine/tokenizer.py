@@ -156,12 +156,13 @@ class OutputText:
             delta = self.detokenizer.step(token_id)
             if not delta:
                 continue
-            # A stop string may straddle the old text and the delta: search from where it could start.
-            search_from = max(0, len(self.text) - self.hold_back)
+            old_length = len(self.text)
             self.text += delta
             if len(self.detokenizer.token_ids) <= self.min_tokens:
                 continue  # stop strings count only after min_tokens output tokens (vLLM)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
+            # Only a stop string that ends in the delta counts: it may begin up to len(s) - 1 characters
+            # before it (not earlier: text of the first min_tokens tokens is not searched again).
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_length - len(s) + 1))) != -1]
             if hits:
                 index, self.stop_found = min(hits)
                 self.text = self.text[:index + len(self.stop_found) if self.keep_stop else index]

@@ -40,7 +40,8 @@ REPORT = {"anyOf": [_object({"kind": STRING, "seconds": NUMBER, "bytes_copied": 
                              "bytes_mapped": INT, "tags": {"type": "array"}}), {"type": "null"}]}
 STATE = {"is_sleeping": BOOL, "serving": BOOL}
 CHOICES = {"type": "array", "items": _object({"index": INT, "finish_reason": {"anyOf": [STRING, {"type": "null"}]},
-                                              "logprobs": {"anyOf": [{"type": "object"}, {"type": "null"}]}})}
+                                              "logprobs": {"anyOf": [{"type": "object"}, {"type": "null"}]}},
+                                             stop_reason={"anyOf": [STRING, INT, {"type": "null"}]})}
 USAGE = _object({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
 COMPLETION = _object({"id": STRING, "object": STRING, "created": INT, "model": STRING, "choices": CHOICES,
                       "usage": USAGE})

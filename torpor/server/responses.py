@@ -32,22 +32,24 @@ class ResponseFormat:
 
     def response(self, output: RequestOutput | list[RequestOutput]) -> dict:
         """The whole response of one request, or of a batch of prompts (one output each): choice index =
-        prompt index * n + sample index, as OpenAI and vLLM number them."""
+        prompt index * n + sample index, as OpenAI and vLLM number them. Each choice (and chunk) carries
+        vLLM's `stop_reason`: the stop string or stop token id that ended it, else null."""
         outputs = output if isinstance(output, list) else [output]
         choices, num_prompt_tokens, num_output_tokens = [], 0, 0
         for i, out in enumerate(outputs):
             num_prompt_tokens += len(out.prompt_token_ids)
             for completion in out.outputs:
                 index = i * len(out.outputs) + completion.index
-                choices.append(self._choice(completion.text, completion.token_ids, completion.logprobs,
-                                            completion.finish_reason, whole=True, index=index))
+                choice = self._choice(completion.text, completion.token_ids, completion.logprobs,
+                                      completion.finish_reason, whole=True, index=index)
+                choices.append({**choice, "stop_reason": completion.stop_reason})
                 num_output_tokens += len(completion.token_ids)
         return self._envelope(self.object, choices, usage=usage(num_prompt_tokens, num_output_tokens))
 
     def chunk(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
-              finish_reason: str | None, index: int = 0) -> dict:
-        return self._envelope(self.chunk_object, [self._choice(text, token_ids, logprobs, finish_reason, whole=False,
-                                                               index=index)])
+              finish_reason: str | None, index: int = 0, stop_reason: int | str | None = None) -> dict:
+        choice = self._choice(text, token_ids, logprobs, finish_reason, whole=False, index=index)
+        return self._envelope(self.chunk_object, [{**choice, "stop_reason": stop_reason}])
 
     def usage_chunk(self, num_prompt_tokens: int, num_output_tokens: int) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage(num_prompt_tokens, num_output_tokens))
