@@ -9,11 +9,13 @@ weights went undeclared (a re-sleep keeping a stale host copy)."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
 
-from torpor.engine import LLM
+from torpor.engine import LLM, SamplingParams
 from torpor.engine.loader import CheckpointError, iter_checkpoint
 from torpor.engine.sleep_harness import fixed_requests
 from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
@@ -247,3 +249,41 @@ def test_a_sleep_while_asleep_releases_the_tags_left_awake(llm, level, awake):
     if level == 2:
         llm.reload_weights()
     assert llm.state.serving
+
+
+def test_a_generate_waiting_while_not_serving_returns_when_a_sleep_aborts_its_request(llm, weight_sets):
+    """A generate waiting (wait_if_asleep=None) with a request left running by a failed weight stream was not
+    woken by sleep(mode='abort'): its request was aborted and answerable, yet it waited for a wake and a
+    reload (forever if none came)."""
+    llm.wait_if_asleep = None
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(llm.generate([[1, 2, 3]], long)), daemon=True)
+    try:
+        worker.start()
+        wait_for(lambda: llm.engine.state().num_running == 1)
+
+        def stream():
+            yield weight_sets[0][0]
+            raise OSError("the trainer went away")
+
+        with pytest.raises(CheckpointError, match="the trainer went away"):
+            llm.update_weights(stream())
+        assert llm.state.num_running == 1 and not llm.state.serving
+        wait_for(lambda: len(llm._lock._waiters) == 1)  # the generate waits for the engine to serve
+        llm.sleep(1, "abort")
+        worker.join(10)
+        assert not worker.is_alive(), "the generate still waits although its request was aborted"
+        assert box[0][0].outputs[0].finish_reason == "abort"
+    finally:
+        llm.wait_if_asleep = 0.0
+        llm.wake_up()
+        llm.reload_weights()
+        worker.join(10)
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

@@ -201,6 +201,11 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
+    def has_pending_outputs(self) -> bool:
+        """Whether outputs made outside `step` (requests a sleep finished or aborted) wait for the next
+        `step`, which hands them out even while the engine does not serve."""
+        return bool(self._pending)
+
     def has_work(self) -> bool:
         """Whether `step` would run something: the engine serves and a request waits or runs."""
         return self.serving and not self.scheduler.is_finished()
