@@ -19,7 +19,7 @@ from torpor.engine import LLM, SamplingParams
 from torpor.engine.loader import CheckpointError, iter_checkpoint
 from torpor.engine.sleep_harness import fixed_requests
 from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
-from torpor.memory import CheckpointUnsupportedError
+from torpor.memory import CheckpointUnsupportedError, HostMemoryError, MemoryManager
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4, block_size=4)
 
@@ -287,3 +287,43 @@ def wait_for(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def starved(tiny_model_path):
+    """An engine whose host budget holds no copy: every offloading sleep fails."""
+    return LLM(tiny_model_path, memory=MemoryManager("cpu", max_host_bytes=1024), reserve_host_copies=False,
+               **ENGINE)
+
+
+@pytest.mark.parametrize("call", ["sleep 1", "sleep 2", "release_tags"])
+def test_a_sleep_bound_to_fail_aborts_no_request(starved, call):
+    """sleep(mode='abort') aborted the running requests, then failed for want of host memory: the engine
+    served again but the requests were gone (ended 'abort'), though the failed sleep was to change nothing."""
+    engine = starved.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    reference = answers([run(engine, [1, 2, 3], params)])
+    engine.add_request([1, 2, 3], params)
+    engine.step()  # the prefill: the request runs
+    before = snapshot(starved)
+    with pytest.raises(HostMemoryError, match="max_host_bytes"):
+        if call == "release_tags":
+            engine.release_tags(["weights"], "abort")
+        else:
+            engine.sleep(int(call[-1]), "abort")
+    assert snapshot(starved) == before
+    outputs = [o for o in drive(engine) if o.finished]
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length"]
+    assert answers(outputs) == reference
+
+
+def run(engine, prompt, params):
+    engine.add_request(prompt, params)
+    return next(o for o in drive(engine) if o.finished)
+
+
+def drive(engine) -> list:
+    outputs = []
+    while not engine.is_finished():
+        outputs += engine.step()
+    return outputs
