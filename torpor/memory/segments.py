@@ -48,6 +48,11 @@ class Segment:
         return self.used or self.size
 
 
+def _size(nbytes: int) -> str:
+    """Bytes for a message: MiB from 1 MiB on, else exact bytes (a rounded "0 MiB" names nothing)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
 class DeviceOutOfMemory(Exception):
     """Raised by `_restore` when the device has no memory for a segment."""
 
@@ -222,8 +227,8 @@ class SegmentStore(ABC):
         held = self.host_backup_bytes()
         if held + new > self.max_host_bytes:
             raise HostMemoryError(
-                f"offload needs {new / 2**20:.0f} MiB more host memory; {held / 2**20:.0f} MiB are held "
-                f"and max_host_bytes is {self.max_host_bytes / 2**20:.0f} MiB; nothing was released")
+                f"offload needs {_size(new)} more host memory; {_size(held)} are held and max_host_bytes is "
+                f"{_size(self.max_host_bytes)}; nothing was released")
 
     def _backup_need(self, segment: Segment) -> int:
         """Host bytes a new backup of `segment` will take."""
