@@ -327,3 +327,26 @@ def drive(engine) -> list:
     while not engine.is_finished():
         outputs += engine.step()
     return outputs
+
+
+def test_a_weights_group_apply_declares_its_write(llm, weight_sets, references, requests):
+    """Under tensor parallelism a per-rank update_weights_from_tensor and update_weights_from_distributed copy
+    through each rank's `rank_command(runner, "apply")`, committed by WeightReceiver.commit, which did not call
+    mark_weights_dirty: after a wake (weights marked clean) the next level-1 sleep kept the old host copy and
+    the wake brought the old weights back. Rank 0's part, run here on the one-rank engine."""
+    from torpor.engine.weight_transfer import _staged, rank_command, receiver_of
+
+    engine = llm.engine
+    llm.sleep(1)
+    llm.wake_up()  # woken from the copy: the weights are marked clean
+    try:
+        _staged["review"] = list(weight_sets[1])  # what this rank received from the trainer's group
+        names = [name for name, _ in weight_sets[1]]
+        receiver_of(engine).commit(names, lambda: rank_command(engine.model_runner, "apply", "review"), True)
+        assert generate(llm, requests) == references[1]
+        llm.sleep(1)  # TORPOR_VERIFY_CLEAN_COPIES=1: a kept stale copy raises StaleCopyError here
+        llm.wake_up()
+        assert generate(llm, requests) == references[1]
+    finally:
+        llm.wake_up()
+        llm.update_weights(weight_sets[0])
