@@ -350,3 +350,45 @@ def test_a_weights_group_apply_declares_its_write(llm, weight_sets, references, 
     finally:
         llm.wake_up()
         llm.update_weights(weight_sets[0])
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_sleeps_beside_a_waiting_generate(llm, references, requests, seed):
+    """One thread generates the fixed requests again and again (waiting without limit while the engine does not
+    serve) while this one sleeps (any level, wait or abort), wakes selectively, reloads. No generate hangs, no
+    request is lost: each answer is the reference, bit for bit, or ended 'abort' by a sleep."""
+    rng = random.Random(seed)
+    llm.wait_if_asleep = None
+    stop, seen, wrong = threading.Event(), [], []
+
+    def generating() -> None:
+        try:
+            while not stop.is_set():
+                outputs = llm.generate([p for p, _ in requests], [sp for _, sp in requests])
+                for output, answer, reference in zip(outputs, answers(outputs), references[0], strict=True):
+                    aborted = any(sample.finish_reason == "abort" for sample in output.outputs)
+                    seen.append("abort" if aborted else "answer")
+                    if not aborted and answer != reference:
+                        wrong.append(answer)
+        except BaseException as exc:
+            wrong.append(exc)
+
+    worker = threading.Thread(target=generating, daemon=True)
+    worker.start()
+    try:
+        for _ in range(12):
+            llm.sleep(rng.choice([0, 1, 2]), rng.choice(["wait", "abort"]))
+            time.sleep(0.01)
+            llm.wake_up(rng.choice([None, ["weights"], ["kv_cache"]]))
+            llm.wake_up()
+            if not llm.state.weights_valid:
+                llm.reload_weights()
+            time.sleep(rng.choice([0, 0.02]))
+    finally:
+        stop.set()
+        worker.join(30)
+        llm.wait_if_asleep = 0.0
+    assert not worker.is_alive(), "a generate hangs"
+    assert not wrong and "answer" in seen, (len(wrong), seen.count("answer"), seen.count("abort"))
+    state = llm.state
+    assert state.serving and state.num_running == state.num_waiting == 0 and not llm._finished
