@@ -301,3 +301,14 @@ def test_a_host_buffer_dropped_without_free_gives_its_memory_back():
     del freed
     gc.collect()
     assert mapping.closed
+
+
+def test_host_budget_error_names_the_bytes(tmp_path):
+    """Below 1 MiB the budget error said "needs 0 MiB more; 0 MiB are held and max_host_bytes is 0 MiB"."""
+    mm = MemoryManager("cpu", max_host_bytes=1024, backup_dir=str(tmp_path))
+    with mm.tag("weights"):
+        w = torch.ones(4096)  # 16 KiB
+    with pytest.raises(HostMemoryError, match=r"needs 16384 bytes more .* 0 bytes are held and max_host_bytes is "
+                                              r"1024 bytes"):
+        mm.sleep({"weights": "offload"})
+    assert not mm.is_sleeping("weights") and torch.all(w == 1)

@@ -43,7 +43,11 @@ def mode(tmp_path):
 
 
 def _after(mode: SleepMode, *levels: int) -> SleepMode:
+    """Each sleep as the engine does it: the plan's tag actions, then the new level."""
     for level in levels:
+        plan = mode.plan(level)
+        if plan:
+            mode.memory.sleep(plan)
         mode.after_sleep(level, context_released=mode.releases_context(level))
     return mode
 

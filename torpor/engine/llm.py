@@ -127,14 +127,15 @@ class LLM:
 
     def _step_or_wait(self) -> None:
         """One engine step, or (not serving) wait up to `wait_if_asleep` for another thread to make the
-        engine serve. Called locked."""
+        engine serve or to end requests (a sleep that aborts them: the next step hands them out). Called
+        locked."""
         finished = [o for o in self.engine.step() if o.finished]
         self._finished.update((o.request_id, o) for o in finished)
         if finished:
             self._lock.notify_all()
             return
         deadline = None if self.wait_if_asleep is None else time.monotonic() + self.wait_if_asleep
-        while not self.engine.serving:
+        while not self.engine.serving and not self.engine.has_pending_outputs():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 waited = f" (waited {self.wait_if_asleep:g} s)" if self.wait_if_asleep else ""

@@ -211,6 +211,11 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
+    def has_pending_outputs(self) -> bool:
+        """Whether outputs made outside `step` (requests a sleep finished or aborted) wait for the next
+        `step`, which hands them out even while the engine does not serve."""
+        return bool(self._pending)
+
     def has_work(self) -> bool:
         """Whether `step` would run something: the engine serves and a request waits or runs."""
         return self.serving and not self.scheduler.is_finished()
@@ -343,6 +348,8 @@ class LLMEngine:
         release = sleep_mode.releases_context(level)
         if release and not sleep_mode.context_released:
             self._check_context_release(level)
+        if plan and not sleep_mode.context_released:
+            self.memory.check_sleep(plan)  # a sleep bound to fail must not settle (abort) requests first
         before = sleep_mode.level
         try:
             if sleep_mode.level in (None, 0):  # requests may be running
@@ -506,6 +513,7 @@ class LLMEngine:
         plan = {t: LEVELS[1][t] for t in sleep_mode.tags if t in tags and not self.memory.is_sleeping(t)}
         if not plan:
             return None
+        self.memory.check_sleep(plan)  # a release bound to fail must not settle (abort) requests first
         try:
             if sleep_mode.level in (None, 0):  # requests may be running
                 self._settle_running(mode)

@@ -16,8 +16,8 @@ Levels 3 and 4 are levels 1 and 2 plus the process's whole CUDA context released
 checkpoint API (`MemoryManager.checkpoint_context`): 0 MiB of device memory in the engine's process.
 Level 3 = level 1's tag actions + the context; level 4 = level 2's (weights discarded) + the context. The
 state is two steps, tags (level 1 or 2) and context (kept or released); a sleep while asleep goes to the
-deeper of each (3 then 2 = 4, 2 then 3 = 4) and is a no-op when it deepens neither. Any wake restores the
-context first, then the tags.
+deeper of each (3 then 2 = 4, 2 then 3 = 4), sleeps the tags a selective wake left awake, and is a no-op when
+it releases nothing more and deepens neither. Any wake restores the context first, then the tags.
 """
 
 from __future__ import annotations
@@ -64,18 +64,21 @@ class SleepMode:
         return [t for t in SLEEP_TAGS if t in present]
 
     def plan(self, level: int) -> dict[str, str] | None:
-        """The memory actions of `sleep(level)` from the current state; None when it is a no-op
-        (deepens neither the tags nor the context). Deeper tags while asleep only drop the weights' host
-        copy. Levels 3 and 4 also release the context: see `releases_context`."""
+        """The memory actions of `sleep(level)` from the current state; None when it is a no-op (releases
+        nothing more and deepens neither the tags nor the context). While asleep: the deeper table's actions
+        on the tags still awake (a selective wake or `release_tags` leaves some), and with deeper tags the
+        weights' host copy dropped. Levels 3 and 4 also release the context: see `releases_context`."""
         if type(level) is not int or level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level must be one of {', '.join(map(str, SLEEP_LEVELS))}, got {level!r}")
-        if self.level is not None and not (self._deeper_tags(level) or self._deeper_context(level)):
-            return None
         if level == 0:
-            return {}
-        if self.level not in (None, 0):  # deeper while asleep
-            return {"weights": "discard"} if self._deeper_tags(level) else {}
-        return {tag: action for tag, action in LEVELS[tag_level(level)].items() if tag in self.tags}
+            return {} if self.level is None else None
+        if self.level in (None, 0):
+            return {tag: action for tag, action in LEVELS[tag_level(level)].items() if tag in self.tags}
+        deeper = self._deeper_tags(level)
+        table = LEVELS[max(tag_level(level), tag_level(self.level))]
+        plan = {tag: action for tag, action in table.items() if tag in self.tags
+                and (not self.memory.is_sleeping(tag) or (deeper and tag == "weights"))}
+        return plan if plan or self._deeper_context(level) else None
 
     def releases_context(self, level: int) -> bool:
         """Whether the CUDA context is to be released once `sleep(level)` has slept the tags."""

@@ -575,7 +575,6 @@ class WeightReceiver:
         runner = self.engine.model_runner
         try:
             if self.discarded:  # part of the set: the engine's own path would want every tensor at once
-                self.engine.mark_weights_dirty()
                 return self.commit(names, lambda: runner.update_weights(named_tensors, strict=False), flush_cache)
             return self.commit(names, lambda: self.engine.update_weights(named_tensors), flush_cache)
         finally:
@@ -591,6 +590,7 @@ class WeightReceiver:
         them: after a level-2 sleep the weights are valid once every checkpoint tensor came."""
         self.check_weights_awake("update weights")
         engine, discarded = self.engine, self.discarded
+        engine.mark_weights_dirty()  # every copy writes the weights (the ranks' own "apply" does not declare it)
         if discarded and (self.missing is None or self._discarded_again()):
             self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
         count = copy()

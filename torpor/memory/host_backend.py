@@ -101,6 +101,10 @@ class HostBackend(SegmentStore):
         self.arena.drain()
         return super().sleep(plan, clean)
 
+    def check_sleep(self, plan: dict[str, Action], clean: Collection[str] = ()) -> None:
+        self.arena.drain()
+        super().check_sleep(plan, clean)
+
     def _reserve_backups(self, segments: list[Segment]) -> None:
         made: list[Segment] = []
         try:

@@ -168,10 +168,7 @@ class MemoryManager:
         self._stop_reservation()  # the sleep takes over what the background reservation has not done
         start = time.perf_counter()
         with self._lock, self._on_device():
-            busy = [t for t in plan if self._active[t] and plan[t] is not Action.KEEP]
-            if busy:
-                raise RuntimeError(f"cannot sleep tags {busy}: a `tag` scope is open on them")
-            todo = {t: a for t, a in plan.items() if a is not Action.KEEP and self._states[t] is TagState.AWAKE}
+            todo = self._awake_plan(plan)
             for tag, action in plan.items():
                 if (action is Action.DISCARD and self._states[tag] is TagState.ASLEEP
                         and self._actions[tag] is Action.OFFLOAD):
@@ -183,6 +180,23 @@ class MemoryManager:
                 self._actions[tag] = action
                 self._clean.discard(tag)
         return Report("sleep", tuple(reports), time.perf_counter() - start)
+
+    def check_sleep(self, actions: Mapping[str, str | Action]) -> None:
+        """Raise, touching nothing, what `sleep(actions)` would raise that can be known beforehand: an
+        unknown tag or action, an open tag scope, host copies beyond `max_host_bytes` (HostMemoryError). A
+        caller that must undo work if the sleep fails (the engine aborting requests) checks first."""
+        plan = {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
+        self._check_context("sleep")
+        with self._lock:
+            self._backend.check_sleep(self._awake_plan(plan), self._clean)
+
+    def _awake_plan(self, plan: dict[str, Action]) -> dict[str, Action]:
+        """The actions of `plan` on awake tags (what a sleep releases); refuses tags with an open scope.
+        Called with the lock held."""
+        busy = [t for t in plan if self._active[t] and plan[t] is not Action.KEEP]
+        if busy:
+            raise RuntimeError(f"cannot sleep tags {busy}: a `tag` scope is open on them")
+        return {t: a for t, a in plan.items() if a is not Action.KEEP and self._states[t] is TagState.AWAKE}
 
     def wake(self, tags: Iterable[str] | None = None) -> Report:
         """Wake the named tags (all sleeping tags when None). Offloaded memory comes back

@@ -48,6 +48,11 @@ class Segment:
         return self.used or self.size
 
 
+def _size(nbytes: int) -> str:
+    """Bytes for a message: MiB from 1 MiB on, else exact bytes (a rounded "0 MiB" names nothing)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
 class DeviceOutOfMemory(Exception):
     """Raised by `_restore` when the device has no memory for a segment."""
 
@@ -93,9 +98,7 @@ class SegmentStore(ABC):
         verify = Env.read().verify_clean_copies  # a bad value raises before anything is touched
         with self.lock:
             by_tag = {tag: [s for s in self.of_tag(tag) if s.resident] for tag in plan}
-            offload = [s for tag, segs in by_tag.items() if plan[tag] is Action.OFFLOAD for s in segs]
-            kept = [s for s in offload if s.copy_current and s.tag in clean]
-            fresh = [s for s in offload if not (s.copy_current and s.tag in clean)]
+            kept, fresh = self._offloads(plan, clean)
             self._check_host_budget(fresh)
             self._reserve_backups(fresh)  # raises HostMemoryError; nothing released yet
             self._synchronize()
@@ -118,6 +121,18 @@ class SegmentStore(ABC):
                 self.drop_copies(tag)
             self.asleep.update(plan)
             return reports
+
+    def check_sleep(self, plan: dict[str, Action], clean: Collection[str] = ()) -> None:
+        """Raise HostMemoryError, touching nothing, if `sleep(plan, clean)` would exceed `max_host_bytes`."""
+        with self.lock:
+            self._check_host_budget(self._offloads(plan, clean)[1])
+
+    def _offloads(self, plan: dict[str, Action], clean: Collection[str]) -> tuple[list[Segment], list[Segment]]:
+        """The resident segments an offload in `plan` releases: (whose current host copy is kept, to copy)."""
+        offload = [s for tag, action in plan.items() if action is Action.OFFLOAD for s in self.of_tag(tag)
+                   if s.resident]
+        kept = [s for s in offload if s.copy_current and s.tag in clean]
+        return kept, [s for s in offload if not (s.copy_current and s.tag in clean)]
 
     def wake(self, plan: dict[str, Action]) -> list[TagReport]:
         """Map the segments of the tags in `plan` again and restore (offload) or zero (discard)
@@ -212,8 +227,8 @@ class SegmentStore(ABC):
         held = self.host_backup_bytes()
         if held + new > self.max_host_bytes:
             raise HostMemoryError(
-                f"offload needs {new / 2**20:.0f} MiB more host memory; {held / 2**20:.0f} MiB are held "
-                f"and max_host_bytes is {self.max_host_bytes / 2**20:.0f} MiB; nothing was released")
+                f"offload needs {_size(new)} more host memory; {_size(held)} are held and max_host_bytes is "
+                f"{_size(self.max_host_bytes)}; nothing was released")
 
     def _backup_need(self, segment: Segment) -> int:
         """Host bytes a new backup of `segment` will take."""
