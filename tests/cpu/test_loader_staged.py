@@ -160,9 +160,10 @@ def test_index_naming_bad_or_missing_shards(checkpoints, tmp_path):
     (path / "notes.safetensors").write_text("hello, not a checkpoint\n" * 10)
     with pytest.raises(CheckpointError, match=r"^notes\.safetensors: not a safetensors file"):
         load_weights(model, path)
-    (path / "model.safetensors.index.json").write_text("{broken")
-    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a readable JSON index"):
-        load_weights(model, path)
+    for broken in ("{broken", '{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}"):
+        (path / "model.safetensors.index.json").write_text(broken)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a readable JSON index"):
+            load_weights(model, path)
 
 
 def test_shard_names_that_leave_the_folder_are_refused(checkpoints, tmp_path):
@@ -221,3 +222,63 @@ def test_file_shrinking_after_the_plan_is_a_written_failure(checkpoints, tmp_pat
     with pytest.raises(CheckpointError, match=r"model\.safetensors: the file ended early") as error:
         copy_planned(entries, copies, StagingBuffers("cpu", buffer_bytes=4096, count=2))
     assert error.value.weights_written
+
+
+def _rewrite_header(file, change, data=None) -> None:
+    """`file` with `change(header)` applied to its parsed header (and its data section replaced by `data`)."""
+    raw = file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    blob = change(header) if change else None
+    blob = blob if isinstance(blob, bytes) else json.dumps(header).encode()
+    body = raw[8 + length :]
+    file.write_bytes(len(blob).to_bytes(8, "little") + blob + (body if data is None else data(body)))
+
+
+def _first_tensor(header) -> str:
+    return min((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
+
+
+def _shift(header, by: int) -> None:
+    for name, info in header.items():
+        if name != "__metadata__":
+            info["data_offsets"] = [o + by for o in info["data_offsets"]]
+
+
+def _alias_first(header) -> None:
+    """One more tensor over the first tensor's bytes."""
+    header["alias"] = dict(header[_first_tensor(header)])
+
+
+# Headers the safetensors library refuses (so the plain loader fails on them midway), and header JSON that
+# made the checks themselves crash: each a CheckpointError naming the file, before a byte is written.
+BAD_HEADERS = {
+    "trailing bytes": (None, lambda data: data + b"\0" * 100, "100 bytes after the last tensor's data"),
+    "gap before the data": (lambda h: _shift(h, 64), lambda data: b"\0" * 64 + data, "leaves 64 bytes unused"),
+    "two tensors on the same bytes": (_alias_first, None, "overlaps the tensor before it"),
+    "metadata not strings": (lambda h: h.update({"__metadata__": [1, 2]}), None, "__metadata__ is not an object"),
+    "duplicate name": (lambda h: json.dumps(h)[:-1].encode() + b", " + json.dumps(_first_tensor(h)).encode() + b": "
+                       + json.dumps(h[_first_tensor(h)]).encode() + b"}", None, "appears twice"),
+    "nested past the recursion limit": (lambda h: b'{"__metadata__": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+                                        "garbage header"),
+    "dtype a list": (lambda h: h[_first_tensor(h)].update({"dtype": ["F32"]}), None, "unknown dtype"),
+    "dimension beyond int64": (lambda h: h[_first_tensor(h)].update({"shape": [0, 1 << 70], "data_offsets": [0, 0]}),
+                               None, "64-bit integers"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEADERS))
+def test_bad_headers_in_a_later_shard_write_nothing(checkpoints, tmp_path, case):
+    change, data, problem = BAD_HEADERS[case]
+    src = checkpoints["llama"]
+    path = _copy(src, tmp_path / "bad")
+    last = sorted(path.glob("*.safetensors"))[-1]
+    _rewrite_header(last, change, data)
+    model = new_model(src)
+    load_weights(model, src)
+    before = [p.clone() for p in model.parameters()]
+    for load in (load_weights, load_weights_reference):
+        with pytest.raises(CheckpointError, match=rf"^{last.name}: .*{problem}") as error:
+            load(model, path)
+        assert not error.value.weights_written
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -100,7 +100,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 def _weight_map(path: Path) -> dict:
     try:
         index = json.loads((path / INDEX_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{INDEX_FILE}: not a readable JSON index ({type(e).__name__})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not weight_map or not isinstance(weight_map, dict):
@@ -140,18 +140,49 @@ def read_header(file: Path, label: str) -> list[TensorEntry]:
     except OSError as e:
         raise CheckpointError(f"{label}: cannot be read ({e.strerror or type(e).__name__})") from None
     try:
-        header = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = json.loads(blob, object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as e:
+        raise CheckpointError(f"{label}: garbage header ({e})") from None
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past Python's recursion limit
         raise CheckpointError(f"{label}: garbage header (not JSON; not a safetensors file)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{label}: garbage header (not a JSON object)")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{label}: __metadata__ is not an object of strings (not a safetensors file)")
     data_start, data_size = 8 + header_len, size - 8 - header_len
-    entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        entries.append(_entry(file, label, name, info, data_start, data_size))
+    entries = [_entry(file, label, name, info, data_start, data_size)
+               for name, info in header.items() if name != "__metadata__"]
+    _check_layout(entries, label, data_start, data_start + data_size)
     return entries
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object as a dict; _DuplicateKeyError for a key given twice (json.loads keeps the last)."""
+    result: dict = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKeyError(f"{key[:200]!r} appears twice")
+        result[key] = value
+    return result
+
+
+def _check_layout(entries: list[TensorEntry], label: str, data_start: int, data_end: int) -> None:
+    """The safetensors library's rule: the tensors' byte ranges tile the data section, no overlap, no gap,
+    nothing after the last (so both loaders accept the same files, and no two tensors share bytes)."""
+    at = data_start
+    for entry in sorted(entries, key=lambda e: (e.start, e.nbytes)):
+        if entry.start != at:
+            problem = "overlaps the tensor before it" if entry.start < at else f"leaves {entry.start - at} bytes unused"
+            raise CheckpointError(f"{label}: tensor {entry.name[:200]!r}: data_offsets {problem} "
+                                  "(not a safetensors file)")
+        at += entry.nbytes
+    if at != data_end:
+        raise CheckpointError(f"{label}: {data_end - at} bytes after the last tensor's data (not a safetensors file)")
 
 
 def _entry(file: Path, label: str, name: str, info: object, data_start: int, data_size: int) -> TensorEntry:
@@ -160,13 +191,14 @@ def _entry(file: Path, label: str, name: str, info: object, data_start: int, dat
 
     if not isinstance(info, dict):
         raise bad("header entry is not an object")
-    dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+    dtype_name = info.get("dtype")
+    dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
-        raise bad(f"unknown dtype {str(info.get('dtype'))[:20]!r}")
+        raise bad(f"unknown dtype {str(dtype_name)[:20]!r}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 63
                                               for d in shape):
-        raise bad("shape is not a list of non-negative integers")
+        raise bad("shape is not a list of non-negative 64-bit integers")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
         raise bad("data_offsets is not a pair of integers")
