@@ -14,6 +14,7 @@ import pytest
 
 from torpor import LLM, Logprob, SamplingParams
 from torpor.engine.chat_template import ChatTemplateError
+from torpor.engine.generation_config import generation_defaults
 from torpor.engine.model_path import resolve_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=8, block_size=4)
@@ -156,6 +157,24 @@ def test_generation_config_defaults(tiny_model_path, tmp_path):
     assert elsewhere.get_default_sampling_params().max_tokens == 5
     with pytest.raises(ValueError, match=r"no generation_config\.json in"):
         LLM(tiny_model_path, generation_config=str(tmp_path / "nowhere"), **ENGINE)
+
+
+@pytest.mark.parametrize("values, error", [
+    ({"temperature": "hot"}, "temperature must be a finite number"),
+    ({"top_p": 0}, "top_p must be in"),
+    ({"max_new_tokens": -5}, "max_tokens must be >= 1"),
+    ({"top_k": True}, "top_k must be an int"),
+])
+def test_generation_config_with_impossible_defaults_is_refused_at_once(tmp_path, values, error):
+    """Not an error in every later request that leaves the field out: one ValueError naming the file."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=rf"generation_config\.json: {error}"):
+        generation_defaults(str(tmp_path), "unused")
+
+
+def test_generation_config_top_k_0_means_no_top_k(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0, "temperature": 0.7}))
+    assert generation_defaults(str(tmp_path), "unused") == {"top_k": -1, "temperature": 0.7}
 
 
 def test_hub_ids_resolve_through_the_local_cache(tiny_model_path, tmp_path, monkeypatch, llm):

@@ -143,6 +143,59 @@ def test_config_errors(qwen2, tmp_path):
             ModelConfig.from_dict(dict(config, **change))
 
 
+# config.json values that crashed with KeyError/TypeError/ZeroDivisionError, built a model of negative or
+# zero size, or a NaN rotary table: each a ValueError naming the file and the key.
+BAD_CONFIGS = {
+    "no heads": ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    "negative kv heads": ({"num_key_value_heads": -1}, "num_key_value_heads must be a positive integer"),
+    "hidden size a string": ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    "hidden size a float": ({"hidden_size": 64.0}, "hidden_size must be a positive integer, got 64.0"),
+    "no hidden size": ({"hidden_size": None}, "hidden_size is missing"),
+    "empty vocabulary": ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    "negative layers": ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer"),
+    "layers a bool": ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
+    "negative head_dim": ({"head_dim": -8}, "head_dim must be a positive integer"),
+    "odd head_dim": ({"head_dim": 15}, "head_dim must be even"),
+    "more heads than hidden": ({"num_attention_heads": 128, "num_key_value_heads": 2}, "head_dim must be a positive"),
+    "negative positions": ({"max_position_embeddings": -1}, "max_position_embeddings must be a positive integer"),
+    "rope theta 0": ({"rope_theta": 0}, "rope_theta must be a finite positive number"),
+    "rope scaling a list": ({"rope_scaling": [1, 2]}, "rope_scaling must be an object"),
+    "llama3 without factor": ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+                              "factor is missing"),
+    "llama3 equal bands": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                             "high_freq_factor": 2.0, "original_max_position_embeddings": 8192}},
+                           "high_freq_factor .* must exceed low_freq_factor"),
+    "eps a string": ({"rms_norm_eps": "x"}, "rms_norm_eps must be a finite non-negative number"),
+    "torch_dtype a list": ({"torch_dtype": ["x"]}, "unsupported torch_dtype"),
+    "architectures an object": ({"architectures": {"0": "LlamaForCausalLM"}}, "exactly one architecture"),
+    "eos a string": ({"eos_token_id": "x"}, "eos_token_id must be a token id or a list of them"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_impossible_config_values_name_the_file_and_key(qwen2, tmp_path, case):
+    change, message = BAD_CONFIGS[case]
+    config = json.loads((qwen2 / "config.json").read_text())
+    config = {k: v for k, v in {**config, **change}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"/config\.json: .*{message}"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_config_and_generation_config_files_that_are_not_json_objects(qwen2, tmp_path):
+    shutil.copy(qwen2 / "config.json", tmp_path / "config.json")
+    for file in ("generation_config.json", "config.json"):
+        for text, message in [("[1]", r"not a JSON object \(a list\)"), ("[" * 100_000, "nested too deeply"),
+                              ('{"eos_token_id": [1, "x"]}', "eos_token_id must be a token id")]:
+            if file == "config.json" and "eos" in text:
+                continue
+            (tmp_path / file).write_text(text)
+            with pytest.raises(ValueError, match=rf"{file}: {message}"):
+                ModelConfig.from_pretrained(tmp_path)
+        (tmp_path / "generation_config.json").write_text("{}")
+
+
 def test_config_of_each_architecture(tmp_path):
     qwen3 = ModelConfig.from_pretrained(make_model("tiny", tmp_path / "q3", progress=False))
     assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32 and qwen3.q_size == 128

@@ -8,10 +8,11 @@ ignores it, any other value is a folder holding one. The defaults fill what a re
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from torpor.engine.models.config import read_json_object
 
 logger = logging.getLogger("torpor.engine")
 
@@ -38,7 +39,7 @@ def _read(folder: str, required: bool) -> tuple[tuple[str, Any], ...]:
             raise ValueError(f"generation config: no generation_config.json in {folder}")
         return ()
     try:
-        config = json.loads(file.read_text())
+        config = read_json_object(file)
     except (OSError, ValueError) as exc:
         raise ValueError(f"generation config {file}: {exc}") from None
     known = SamplingParams.__dataclass_fields__
@@ -51,4 +52,10 @@ def _read(folder: str, required: bool) -> tuple[tuple[str, Any], ...]:
         else:
             logger.warning("generation_config.json sets %s=%r, which this engine's sampler does not have: not "
                            "applied", key, config[key])
+    if type(defaults.get("top_k")) is int and defaults["top_k"] == 0:
+        defaults["top_k"] = -1  # Hugging Face's (and vLLM's) 0: no top-k filtering
+    try:  # checked here, once: not as an error in every request that leaves the field out
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"generation config {file}: {exc}") from None
     return tuple(defaults.items())

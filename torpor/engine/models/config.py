@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,25 +70,38 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Read `<path>/config.json` (or `path` itself when it is the file)."""
+        """Read `<path>/config.json` (or `path` itself when it is the file). ValueError naming the file
+        for one that is not a JSON object or holds a missing, mistyped or impossible value."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        config = cls.from_dict(json.loads(file.read_text()))
+        try:
+            config = cls.from_dict(read_json_object(file))
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
         # generation_config.json may list more end-of-sequence ids (e.g. a chat model's end-of-turn)
         generation_file = file.parent / "generation_config.json"
         if generation_file.is_file():
-            extra = _id_tuple(json.loads(generation_file.read_text()).get("eos_token_id"))
+            try:
+                extra = _id_tuple(read_json_object(generation_file).get("eos_token_id"), "eos_token_id")
+            except ValueError as e:
+                raise ValueError(f"{generation_file}: {e}") from None
             eos_ids = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
             config = dataclasses.replace(config, eos_token_ids=eos_ids)
         return config
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """ValueError naming the key for a missing, mistyped or impossible value (sizes must be positive
+        integers, rope parameters positive numbers)."""
         arch = _architecture(d)
-        num_heads = d["num_attention_heads"]
-        num_kv_heads = d.get("num_key_value_heads") or num_heads
+        num_heads = _positive_int(d, "num_attention_heads")
+        num_kv_heads = _positive_int(d, "num_key_value_heads", num_heads)
+        hidden_size = _positive_int(d, "hidden_size")
+        head_dim = _positive_int(d, "head_dim", hidden_size // num_heads)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embedding halves), got {head_dim}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         if d.get("hidden_act", "silu") != "silu":
@@ -99,60 +113,108 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(d)
         return cls(
             architecture=arch,
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            hidden_size=hidden_size,
+            intermediate_size=_positive_int(d, "intermediate_size"),
+            num_hidden_layers=_positive_int(d, "num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            vocab_size=d["vocab_size"],
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            head_dim=head_dim,
+            vocab_size=_positive_int(d, "vocab_size"),
+            rms_norm_eps=_number(d, "rms_norm_eps", 1e-6, positive=False),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=_positive_int(d, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=_parse_dtype(d.get("torch_dtype") or d.get("dtype") or "float32"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=_id_tuple(d.get("eos_token_id")),
+            bos_token_id=next(iter(_id_tuple(d.get("bos_token_id"), "bos_token_id")), None),
+            eos_token_ids=_id_tuple(d.get("eos_token_id"), "eos_token_id"),
         )
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`; ValueError (not naming the file) for one that is not valid UTF-8 JSON,
+    nests past Python's recursion limit, or is not an object."""
+    try:
+        value = json.loads(file.read_text())
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object (a {type(value).__name__})")
+    return value
+
+
+def _positive_int(d: dict[str, Any], key: str, default: int | None = None) -> int:
+    """d[key], a positive integer; `default` (when given) stands in for a missing, null or 0 value, as
+    Hugging Face reads them."""
+    value = d.get(key)
+    if default is not None and value in (None, 0):
+        value = default
+    if value is None:
+        raise ValueError(f"{key} is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive integer, got {repr(value)[:50]}")
+    return value
+
+
+def _number(d: dict[str, Any], key: str, default: float | None = None, positive: bool = True) -> float:
+    """d[key] (`default` when missing or null), a finite number: positive, or with `positive=False` not
+    negative."""
+    value = d.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise ValueError(f"{key} is missing")
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
+            or (positive and value == 0)):
+        raise ValueError(f"{key} must be a finite {'positive' if positive else 'non-negative'} number, "
+                         f"got {repr(value)[:50]}")
+    return float(value)
 
 
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
-    if len(archs) != 1:
-        raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
+    if not isinstance(archs, list) or len(archs) != 1:
+        raise ValueError(f"config.json must name exactly one architecture, got {repr(archs)[:100]}")
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {supported}")
+        raise ValueError(f"unsupported architecture {repr(archs[0])[:100]}; supported: {supported}")
     return archs[0]
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers >= 5 writes `rope_parameters` (theta included); older files `rope_theta` + `rope_scaling`.
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling must be an object, got {str(rope)[:50]}")
+    theta = _number(d if d.get("rope_theta") is not None else rope, "rope_theta", 10000.0)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
+        raise ValueError(f"unsupported rope_scaling type {str(rope_type)[:50]!r} (supported: default, llama3)")
+    low, high = _number(rope, "low_freq_factor"), _number(rope, "high_freq_factor")
+    if high <= low:
+        raise ValueError(f"rope_scaling: high_freq_factor ({high}) must exceed low_freq_factor ({low})")
     return theta, RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        factor=_number(rope, "factor"),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=_positive_int(rope, "original_max_position_embeddings"),
     )
 
 
-def _parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unsupported torch_dtype {name!r}; supported: {', '.join(DTYPES)}")
+def _parse_dtype(name: object) -> torch.dtype:
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ValueError(f"unsupported torch_dtype {str(name)[:50]!r}; supported: {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
-def _id_tuple(ids: int | list[int] | None) -> tuple[int, ...]:
-    return () if ids is None else tuple(ids) if isinstance(ids, list) else (ids,)
+def _id_tuple(ids: object, key: str) -> tuple[int, ...]:
+    """A token id or list of them (None: none); ValueError for anything else."""
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{key} must be a token id or a list of them, got {str(ids)[:50]}")
+    return tuple(ids)
