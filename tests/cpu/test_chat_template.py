@@ -124,3 +124,24 @@ def test_load_chat_template_file_or_inline(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ChatTemplateError, match="does not compile"):
         load_chat_template("{% if %}")
+
+
+# ---- tokenizer files of a checkpoint folder -------------------------------------------------------
+@pytest.mark.parametrize("file, text, error", [
+    ("tokenizer_config.json", "[1]", r"not a JSON object \(a list\)"),
+    ("tokenizer_config.json", "[" * 100_000, "nested too deeply"),
+    ("tokenizer_config.json", "{broken", "Expecting property name"),
+    ("tokenizer_config.json", '{"chat_template": [1, 2]}', "chat_template must be a template or a list"),
+    ("tokenizer_config.json", '{"chat_template": 7}', "chat_template must be a template or a list"),
+    ("tokenizer_config.json", '{"bos_token": [1]}', "bos_token must be a string"),
+    ("tokenizer.json", "{broken", "not a tokenizers file"),
+])
+def test_malformed_tokenizer_files_name_the_file(tiny_model_path, tmp_path, file, text, error):
+    """Each a ValueError naming the file, not an AttributeError, RecursionError or the library's bare Exception."""
+    from torpor.engine.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((Path(tiny_model_path) / name).read_bytes())
+    (tmp_path / file).write_text(text)
+    with pytest.raises(ValueError, match=rf"{file}: {error}"):
+        Tokenizer.from_pretrained(tmp_path)

@@ -32,17 +32,27 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+        """ValueError naming the file for a tokenizer.json the tokenizers library rejects, or a
+        tokenizer_config.json that is not a JSON object or holds mistyped special tokens or templates."""
         path = Path(path)
-        if not (path / "tokenizer.json").is_file():
+        file, config_file = path / "tokenizer.json", path / "tokenizer_config.json"
+        if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        try:
+            config = _read_object(config_file) if config_file.is_file() else {}
+            template = _default_template(config.get("chat_template"))
+            for key in ("bos_token", "eos_token"):
+                if not isinstance(_token_content(config.get(key)), str | None):
+                    raise ValueError(f"{key} must be a string or an object with a string content")
+        except ValueError as e:
+            raise ValueError(f"{config_file}: {e}") from None
         if (path / "chat_template.jinja").is_file():  # newer checkpoints keep it in its own file
             template = (path / "chat_template.jinja").read_text()
-        return cls(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), config, template)
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a plain Exception
+            raise ValueError(f"{file}: not a tokenizers file ({str(e)[:200]})") from None
+        return cls(tokenizer, config, template)
 
     @property
     def vocab_size(self) -> int:
@@ -200,4 +210,27 @@ def _byte_level_decoder() -> dict[str, int]:
 
 def _token_content(token: str | dict | None) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_object(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`; ValueError for one that is not JSON, nests too deeply or is no object."""
+    try:
+        value = json.loads(file.read_text())
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object (a {type(value).__name__})")
+    return value
+
+
+def _default_template(template: object) -> str | None:
+    """tokenizer_config.json's chat_template: a template, or a list of named ones (the default is used)."""
+    if isinstance(template, list):  # named templates: use the default one
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+            raise ValueError("chat_template must be a template or a list of {name, template} objects")
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str | None):
+        raise ValueError(f"chat_template must be a template or a list of {{name, template}} objects, "
+                         f"got a {type(template).__name__}")
+    return template
 
