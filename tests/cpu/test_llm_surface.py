@@ -177,6 +177,13 @@ def test_generation_config_top_k_0_means_no_top_k(tmp_path):
     assert generation_defaults(str(tmp_path), "unused") == {"top_k": -1, "temperature": 0.7}
 
 
+@pytest.mark.parametrize("name", ["~no-such-user-here/model", "a" * 300 + "/model"])
+def test_names_the_file_system_cannot_look_up_are_not_found(name):
+    """An unknown ~user (RuntimeError) or an over-long name (OSError ENAMETOOLONG) escaped as such."""
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        resolve_model(name)
+
+
 def test_hub_ids_resolve_through_the_local_cache(tiny_model_path, tmp_path, monkeypatch, llm):
     cache = tmp_path / "hub"
     snapshot = fake_hub_cache(cache, tiny_model_path)

@@ -24,10 +24,14 @@ def resolve_model(name: str | Path, what: str = "model") -> str:
     text = str(name)
     if not text:
         raise ValueError(f"the {what} name is empty")
-    path = Path(text).expanduser()
-    if path.is_dir():
+    try:
+        path = Path(text).expanduser()
+        is_dir, exists = path.is_dir(), path.exists()
+    except (OSError, RuntimeError):  # a name too long for the file system, an unknown ~user
+        is_dir = exists = False
+    if is_dir:
         return str(path)
-    if path.exists():
+    if exists:
         raise NotADirectoryError(f"{what} {text!r} is a file; give the checkpoint folder")
     if not looks_like_hub_id(text):
         raise FileNotFoundError(f"{what} {text!r}: no such folder (and not a Hugging Face Hub id like 'Org/Name')")
