@@ -76,9 +76,13 @@ def test_demo_with_a_preset_name_says_how_to_make_it(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_bench_decode_on_cuda_without_cuda(capsys):
-    err = one_line_error(capsys, ["bench", "decode"], "CUDA is not available")
-    assert err.startswith("torpor bench decode: error:")
+@pytest.mark.parametrize("bench", ["decode", "sleep", "memory"])
+def test_bench_on_cuda_without_cuda(capsys, monkeypatch, bench):
+    from torpor.cli import bench_decode
+
+    monkeypatch.setattr(bench_decode, "checkpoint", lambda *a: pytest.fail("a checkpoint was written"))
+    err = one_line_error(capsys, ["bench", bench, "--device", "cuda"], "CUDA is not available")
+    assert err.startswith(f"torpor bench {bench}: error:")
 
 
 def test_bench_generate_defaults_to_the_tiny_model_on_cpu(capsys, monkeypatch):

@@ -379,6 +379,8 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     args.device = device
+    if device.startswith("cuda") and not torch.cuda.is_available():  # before a preset is written into the cache
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     if args.level3 and not device.startswith("cuda"):
         raise ValueError("--level3 needs a CUDA device (level 3 releases the CUDA context)")
     model = resolve_model(args.model, device)
