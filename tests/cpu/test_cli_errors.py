@@ -1,5 +1,6 @@
 """The `torpor` command's errors (issue 11.13): one clean line on stderr and a non-zero exit, never a traceback;
-`--plot` is checked before the demo runs. And `torpor --version`."""
+`--plot` is checked before the demo runs; a misspelled option is named by its subcommand with the option meant.
+And `torpor --version`."""
 
 from __future__ import annotations
 
@@ -53,3 +54,46 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("torpor ")
+
+
+@pytest.mark.parametrize("argv, usage, unknown, meant", [
+    (["demo", "--devcie", "cpu"], "usage: torpor demo", "--devcie cpu", "--device"),
+    (["bench", "sleep", "--requets", "3"], "usage: torpor bench sleep", "--requets 3", "--requests"),
+    (["serve", "--admin-tokn=x"], "usage: torpor serve", "--admin-tokn=x", "--admin-token"),
+])
+def test_a_misspelled_option_is_named_by_its_command_with_the_one_meant(capsys, argv, usage, unknown, meant):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert f"error: unrecognized arguments: {unknown} (did you mean {meant}?)" in err, err
+
+
+def test_demo_with_a_preset_name_says_how_to_make_it(capsys):
+    one_line_error(capsys, ["demo", "--device", "cpu", "--model", "qwen3-0.6b", "--plot", ""],
+                   "torpor make-model qwen3-0.6b ./qwen3-0.6b")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("bench", ["decode", "sleep", "memory"])
+def test_bench_on_cuda_without_cuda(capsys, monkeypatch, bench):
+    from torpor.cli import bench_decode
+
+    monkeypatch.setattr(bench_decode, "checkpoint", lambda *a: pytest.fail("a checkpoint was written"))
+    err = one_line_error(capsys, ["bench", bench, "--device", "cuda"], "CUDA is not available")
+    assert err.startswith(f"torpor bench {bench}: error:")
+
+
+def test_bench_generate_defaults_to_the_tiny_model_on_cpu(capsys, monkeypatch):
+    from torpor.cli import bench_generate
+
+    asked = []
+
+    def checkpoint(preset, root):
+        asked.append(preset)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(bench_generate, "checkpoint", checkpoint)
+    one_line_error(capsys, ["bench", "generate", "--device", "cpu"], "stop here")
+    assert asked == ["tiny"]  # not qwen3-0.6b: 1.2 GB written and a GPU-sized workload on the CPU

@@ -42,6 +42,11 @@ def test_exit_codes(tmp_path, tiny_model_path, capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing"), "--device", "cpu", "--port", "0"]) == 1
     assert "the engine could not start" in capsys.readouterr().err
+    # `--admin-token "$TOKEN"` with TOKEN unset would serve with the control plane off (an empty --api-key: open)
+    for option in ("--admin-token", "--api-key"):
+        assert main(["serve", tiny_model_path, "--device", "cpu", "--port", "0", option, " "]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} is empty" in err and "loading" not in err
 
 
 def start_server(argv: list[str], env: dict) -> tuple[subprocess.Popen, str, list[str]]:
@@ -74,6 +79,7 @@ def test_serve_runs_and_stops_cleanly_on_sigterm(tiny_model_path, tmp_path):
     process, url, lines = start_server(argv, env)
     try:
         assert any("loading" in line for line in lines) and any("engine ready" in line for line in lines)
+        assert not any(", auto," in line for line in lines)  # the dtype the engine runs in, not "auto"
         assert "control plane: on" in lines[-1]
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/health").json()["status"] == "ok"

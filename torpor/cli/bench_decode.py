@@ -56,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench decode needs a CUDA device (use --device cpu for a smoke test)")
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine (--device cpu runs a smoke "
+                         "test)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cache = Path(args.cache_dir) if args.cache_dir else Path(_cache_root()) / "models"

@@ -27,7 +27,8 @@ PRESETS = ("qwen3-0.6b", "qwen3-8b", "tiny")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="n samples per prompt (GRPO-shaped): prefix caching on/off vs transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder")
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder "
+                                                 "(default: qwen3-0.6b on GPU, tiny on CPU)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--cache-dir", default=None, help="where presets are generated (default: $TORPOR_CACHE/models)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -51,10 +52,11 @@ def run(args: argparse.Namespace) -> int:
     from torpor.engine.models import ModelConfig
 
     device = torch.device(_resolve_device(args.device))
-    if args.model in PRESETS:
-        path = checkpoint(args.model, Path(args.cache_dir or Path(_cache_root()) / "models"))
+    model = args.model or ("qwen3-0.6b" if device.type == "cuda" else "tiny")
+    if model in PRESETS:
+        path = checkpoint(model, Path(args.cache_dir or Path(_cache_root()) / "models"))
     else:
-        path = Path(args.model)
+        path = Path(model)
     rng = random.Random(args.seed)
     vocab_size = ModelConfig.from_pretrained(path).vocab_size
     prompts = [[rng.randrange(vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]

@@ -174,6 +174,8 @@ def workloads(args: argparse.Namespace) -> list[tuple[int, int]]:
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device = str(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     args.size = args.size if args.size is not None else (8.0 if device.type == "cuda" else 0.5)
     if args.tms_worker:
         print(json.dumps(tms_worker(device, args)))

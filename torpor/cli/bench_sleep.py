@@ -7,7 +7,7 @@ seconds at levels 1 and 2 against bytes / measured pinned bandwidth; a full wake
 start of the same engine (load + profiling + graph capture); then the bit-exact harness
 (`--requests`, default 64) and a soak of `--soak-cycles` cycles.
 
-`--level3` measures issue 15 instead (CUDA only): start-up with and without the host copies reserved in the
+`--level3` measures levels 3 and 4 instead (CUDA only): start-up with and without the host copies reserved in the
 background (after one warm-up start, alternated twice, medians), the first level-1 sleep once they are, a
 re-sleep that keeps the weights' clean host copy, a sleep after a weight write, levels 3 and 4 (the CUDA context
 released: the process's device memory by NVML, sleep and wake seconds), the bit-exact harness over the level-3
@@ -379,8 +379,10 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     args.device = device
+    if device.startswith("cuda") and not torch.cuda.is_available():  # before a preset is written into the cache
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     if args.level3 and not device.startswith("cuda"):
-        raise SystemExit("torpor bench sleep --level3 needs a CUDA device (level 3 releases the CUDA context)")
+        raise ValueError("--level3 needs a CUDA device (level 3 releases the CUDA context)")
     model = resolve_model(args.model, device)
     if device.startswith("cuda"):
         torch.zeros(1, device=device)

@@ -133,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"the {GPU_PRESET} geometry (synthetic weights) is generated once into the cache")
         model = str(cached_model_path(GPU_PRESET, progress=True))
     elif model is not None and not Path(model).is_dir():
-        raise ValueError(f"--model {model}: no such checkpoint folder")
+        from torpor.cli.make_model import preset_hint
+
+        raise ValueError(f"--model {model}: no such checkpoint folder{preset_hint(model, 'demo --model')}")
     what = "the model" if model else "the tiny model (generated on the first run)"
     with console.status(f"preparing {what} and starting the engine"):
         # A fixed KV cache for the demo's batch: the table then shows what each tag holds, not a profile.

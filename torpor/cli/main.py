@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand (its usage, its name), with the option meant when one is close
+        command = _subcommand(parser, args)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command, unknown)}")
     name = " ".join(filter(None, ("torpor", args.command, getattr(args, "bench", None))))
     try:
         return int(args.func(args) or 0)
@@ -63,6 +67,27 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _subcommand(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost parser the command line chose (`torpor bench sleep`: the `sleep` parser)."""
+    for name in (args.command, getattr(args, "bench", None)):
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions or name not in actions[0].choices:
+            break
+        parser = actions[0].choices[name]
+    return parser
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    import difflib
+
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for arg in unknown:
+        close = difflib.get_close_matches(arg.split("=")[0], options, n=1) if arg.startswith("--") else []
+        if close:
+            return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def _one_line(exc: BaseException) -> str:

@@ -37,3 +37,15 @@ def run(args: argparse.Namespace) -> int:
     total = sum(p.stat().st_size for p in files)
     print(f"wrote {len(files)} files, {total / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s: {path}")
     return 0
+
+
+def preset_hint(model: str | None, command: str) -> str:
+    """For a preset name given where a checkpoint goes (`torpor serve qwen3-0.6b`): how to make that checkpoint."""
+    from pathlib import Path
+
+    from torpor.engine.checkpoint import PRESETS
+
+    if model not in PRESETS or Path(model).expanduser().exists():
+        return ""
+    return (f" ({model!r} is a torpor make-model preset: `torpor make-model {model} ./{model}`, then "
+            f"`torpor {command} ./{model}`)")

@@ -1,9 +1,9 @@
 """`torpor serve`: an OpenAI-compatible HTTP server with a sleep/wake control plane.
 
 Inference: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
-GET /v1/models, GET /health, GET /metrics (Prometheus).
+GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus).
 Control plane (needs 'Authorization: Bearer ADMIN_TOKEN'; off without --admin-token):
-POST /sleep?level=0|1|2&mode=wait|abort, POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping,
+POST /sleep?level=0|1|2|3|4&mode=wait|abort, POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping,
 POST /reload_weights {"path": ...}, GET /memory, POST /collective_rpc {"method": ..., "kwargs": {...}},
 POST /release_memory_occupation and /resume_memory_occupation {"tags": [...]}.
 Requests that arrive while the engine sleeps wait for the wake (or get 503 after --asleep-timeout).
@@ -158,6 +158,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         return f"two different models: {args.model!r} and --model {args.model_option!r}"
     args.model = args.model_option or args.model
+    for option in ("admin_token", "api_key"):  # `--admin-token "$TOKEN"` with TOKEN unset: not "no token"
+        if getattr(args, option) is not None and not getattr(args, option).strip():
+            return (f"--{option.replace('_', '-')} is empty (an unset shell variable?): give a value, or leave "
+                    "the option out")
     try:
         if args.chat_template is not None:
             args.chat_template = load_chat_template(args.chat_template)
@@ -184,6 +188,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _load_engine(args: argparse.Namespace):
+    from torpor.cli.make_model import preset_hint
     from torpor.engine import LLM, SamplingParams
 
     tp = args.tensor_parallel_size
@@ -193,13 +198,18 @@ def _load_engine(args: argparse.Namespace):
     try:
         llm = LLM(args.model, **engine_options(args))
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
-        _say(f"error: the engine could not start: {type(exc).__name__}: {exc}")
+        _say(f"error: the engine could not start: {type(exc).__name__}: {exc}{preset_hint(args.model, 'serve')}")
         return None
     if args.chat_template is not None:
         llm.get_tokenizer().chat_template = args.chat_template
     config = llm.config
     devices = config.device if tp == 1 else f"{tp} ranks from {config.device}"
-    _say(f"engine ready in {time.perf_counter() - start:.1f} s: {devices}, {config.dtype}, "
+    dtype = config.dtype
+    if dtype == "auto":  # the checkpoint's: say which
+        from torpor.engine.models.config import ModelConfig
+
+        dtype = str(ModelConfig.from_pretrained(config.model).torch_dtype).removeprefix("torch.")
+    _say(f"engine ready in {time.perf_counter() - start:.1f} s: {devices}, {dtype}, "
          f"max_model_len {config.max_model_len}, KV cache {config.num_kv_blocks * config.block_size} tokens"
          f"{' per rank' if tp > 1 else ''}, max_num_seqs {config.max_num_seqs}")
     defaults = llm.get_default_sampling_params()
