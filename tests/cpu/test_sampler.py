@@ -143,3 +143,20 @@ def test_an_unfiltered_row_draws_the_same_beside_a_top_p_row():
 
     crowd = [make_seq("p", **plain), make_seq("f", top_p=0.9, seed=3)]
     assert sample_steps(Sampler(4), crowd, pair_logits, 10)[0] == alone
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_top_k_keeps_the_tokens_tied_with_the_kth(top_k):
+    """A defect: top-k kept exactly k tokens in token-id order, so of two tokens with the same logit (common
+    for bf16 logits) the lower id kept its probability and the other got none. vLLM and transformers keep
+    every token as likely as the k-th; tied tokens are drawn equally often."""
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 40] = 2.0
+    logits[0, [9, 30]] = 2.0 if top_k == 1 else 1.0               # ties with the k-th most likely
+    kept = [40, 9, 30]
+    seqs = [make_seq(str(i), seed=i, top_k=top_k) for i in range(512)]
+    tokens = Sampler(512)(logits.expand(512, VOCAB).contiguous(), seqs).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB)
+    assert set(tokens) == set(kept)
+    probs = torch.softmax(logits[0, kept], -1)
+    assert (counts[kept] / 512 - probs).abs().max() < 0.07

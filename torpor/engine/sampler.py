@@ -225,15 +225,17 @@ class Sampler:
             min_p = inputs[4].float()
             probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         if needs_filter:
-            # Stable sort: ties keep token-id order, so top-k cuts are deterministic.
+            # Stable sort: ties keep token-id order, so top-p cuts are deterministic.
             probs, order = probs.sort(dim=-1, descending=True, stable=True)
+            # top-k keeps every token as likely as the k-th: tokens of equal logits (common in bf16) are
+            # kept or dropped together, not told apart by their ids (vLLM, transformers).
+            kth = probs.gather(1, inputs[2].long()[:, None] - 1)
+            probs.masked_fill_(probs < kth, 0.0)
         # Exact fixed-point weights: scaling by a power of two, then truncation.
         weights = probs.mul_(_PROB_SCALE).long()  # [num_seqs, vocab]
         del probs
         if needs_filter:
-            top_k, top_p = inputs[2].long(), inputs[1]
-            ranks = torch.arange(vocab_size, device=logits.device)
-            weights.masked_fill_(ranks[None, :] >= top_k[:, None], 0)
+            top_p = inputs[1]
             cdf = weights.cumsum(dim=-1)
             # Nucleus: keep tokens whose preceding mass is below top_p of the (top-k) total;
             # exclusive < x  <=>  exclusive < ceil(x) for integers, so this stays exact.

@@ -20,8 +20,8 @@ class SamplingParams:
 
     temperature: 0 (or below 1e-5) means greedy (argmax, deterministic).
     top_p: nucleus sampling, in (0, 1]; 1 disables it.
-    top_k: keep the k most likely tokens; -1 disables it (0 is rejected, so a typo cannot
-        silently mean "off").
+    top_k: keep the k most likely tokens, and any as likely as the k-th (vLLM, transformers); -1 disables
+        it (0 is rejected, so a typo cannot silently mean "off").
     max_tokens: output tokens at most (the sequence also stops at the engine's max_model_len).
     stop: string(s) that end the output when they appear in the text (excluded from the text).
     stop_token_ids: token ids that end the output (applied even with ignore_eos). The token that ends it,
