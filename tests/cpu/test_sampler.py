@@ -1,3 +1,7 @@
+import bisect
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -58,7 +62,7 @@ def test_different_seeds_give_different_tokens():
 def test_random_bits_is_a_function_of_seed_and_step():
     assert random_bits(3, 0) == random_bits(3, 0)
     assert len({random_bits(3, s) for s in range(100)}) == 100
-    assert all(0 <= random_bits(-1, s) < 2**26 for s in range(10))
+    assert all(0 <= random_bits(-1, s) < 2**52 for s in range(10))
     seeds = [0, 1, -1, 2**63, 2**64 - 1, 12345678901234567890, -(2**63)] * 3
     steps = list(range(len(seeds)))
     assert random_bits_batch(seeds, steps) == [random_bits(a, b) for a, b in zip(seeds, steps, strict=True)]
@@ -160,3 +164,26 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth(top_k):
     assert set(tokens) == set(kept)
     probs = torch.softmax(logits[0, kept], -1)
     assert (counts[kept] / 512 - probs).abs().max() < 0.07
+
+
+def test_the_draw_resolves_tokens_far_below_2_to_the_minus_26():
+    """A defect: the draw used a 26-bit random number, so the inverse CDF stepped by 2^-26 of the mass and
+    a token below 2^-26 was drawn with probability 0 or 2^-26 (on a 152k vocabulary ~3e-4 of the mass moved
+    per token), not with its probability quantized to 2^-36 as documented. The pick is the inverse CDF of
+    the quantized weights at u = random_bits(seed, step) / 2^52, exactly: checked here on the seeds whose u
+    falls among 2^15 tokens of probability ~2^-30 each (16 of them per 2^-26 step)."""
+    vocab = 2**15
+    logits = torch.full((1, vocab), -30 * math.log(2))
+    logits[0, -1] = 0.0
+    weights = (torch.softmax(logits[0], -1) * 2.0**36).long().tolist()
+    total, cdf = sum(weights), list(itertools.accumulate(weights))
+    tiny_mass = cdf[-2] / total                                    # ~3e-5
+    seeds = list(range(2**18))
+    bits = random_bits_batch(seeds, [0] * len(seeds))
+    assert max(bits) < 2**52 and max(bits) >= 2**51
+    chosen = [s for s, b in zip(seeds, bits, strict=True) if b / 2**52 < tiny_mass][:8]
+    assert len(chosen) >= 4
+    expected = [bisect.bisect_right(cdf, total * random_bits(s, 0) >> 52) for s in chosen]
+    assert max(expected) < vocab - 1                               # all among the tiny tokens
+    seqs = [make_seq(str(s), seed=s) for s in chosen]
+    assert Sampler(8)(logits.expand(len(seqs), vocab).contiguous(), seqs).token_ids == expected
