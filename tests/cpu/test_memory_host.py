@@ -312,3 +312,19 @@ def test_host_budget_error_names_the_bytes(tmp_path):
                                               r"1024 bytes"):
         mm.sleep({"weights": "offload"})
     assert not mm.is_sleeping("weights") and torch.all(w == 1)
+
+
+def test_host_budget_counts_the_growth_of_an_existing_backup(tmp_path):
+    """A backup made for a few bytes was reused for whatever the chunk held at the next offload: with
+    max_host_bytes=2 MiB a second offload wrote 7 MiB of backup and succeeded."""
+    mm = MemoryManager("cpu", max_host_bytes=2 * MiB, backup_dir=str(tmp_path))
+    with mm.tag("w"):
+        first = torch.ones(256)  # 1 KiB: its offload makes a 1 KiB backup
+    mm.sleep({"w": "offload"})
+    mm.wake()
+    with mm.tag("w"):
+        grown = torch.ones(7 * MiB // 4)  # 7 MiB in the same chunk
+    with pytest.raises(HostMemoryError, match="max_host_bytes"):
+        mm.sleep({"w": "offload"})
+    assert not mm.is_sleeping("w") and torch.all(grown == 1) and torch.all(first == 1)
+    assert mm.usage()["w"].host_backup_bytes <= 2 * MiB
