@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -328,3 +329,23 @@ def test_host_budget_counts_the_growth_of_an_existing_backup(tmp_path):
         mm.sleep({"w": "offload"})
     assert not mm.is_sleeping("w") and torch.all(grown == 1) and torch.all(first == 1)
     assert mm.usage()["w"].host_backup_bytes <= 2 * MiB
+
+
+def test_many_small_tensors_free_in_any_order_quickly(mm):
+    """Each free re-sorted and re-merged the chunk's whole free list: 10,000 small tensors freed in
+    random order took 2.8 s (quadratic). The free list must also stay exact: everything merges back."""
+    with mm.tag("s"):
+        xs = [torch.full((4,), float(i)) for i in range(10_000)]
+        keep = torch.full((4,), -1.0)
+    order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(0)).tolist()
+    start = time.perf_counter()
+    for i in order:
+        xs[i] = None
+    gc.collect()
+    assert time.perf_counter() - start < 1.0  # ~0.2 s here; 2.8 s before
+    (chunk,) = mm._backend.of_tag("s")
+    assert chunk.allocated == 64 and len(chunk.free_ranges) <= 2
+    assert sum(size for _, size in chunk.free_ranges) == chunk.size - 64
+    mm.sleep({"s": "offload"})
+    mm.wake()
+    assert torch.all(keep == -1)
