@@ -349,3 +349,25 @@ def test_many_small_tensors_free_in_any_order_quickly(mm):
     mm.sleep({"s": "offload"})
     mm.wake()
     assert torch.all(keep == -1)
+
+
+def test_one_tag_name_is_one_tag_not_its_letters(mm):
+    """`wake("weights")` iterated the string: "unknown tag 'w' (known tags: weights)"."""
+    with mm.tag("weights"):
+        w = torch.ones(1000)
+    assert mm.reserve_host("weights") > 0
+    mm.sleep({"weights": "offload"})
+    assert mm.wake("weights").tags[0].tag == "weights"
+    assert torch.all(w == 1)
+    assert mm.reserve_host_in_background("weights").wait(30)
+    with pytest.raises(ValueError, match="unknown tag 'kv'"):
+        mm.wake("kv")
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation")
+def test_quantized_tensors_can_be_made_in_a_scope(mm):
+    """A quantized output was re-placed with `set_`, which loses its quantizer: an INTERNAL ASSERT."""
+    with mm.tag("q"):
+        q = torch.quantize_per_tensor(torch.arange(8.0), 0.5, 0, torch.quint8)
+        plain = q.dequantize()
+    assert torch.equal(plain, torch.arange(8.0)) and tag_of(mm, plain) == "q"

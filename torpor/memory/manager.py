@@ -198,15 +198,15 @@ class MemoryManager:
             raise RuntimeError(f"cannot sleep tags {busy}: a `tag` scope is open on them")
         return {t: a for t, a in plan.items() if a is not Action.KEEP and self._states[t] is TagState.AWAKE}
 
-    def wake(self, tags: Iterable[str] | None = None) -> Report:
-        """Wake the named tags (all sleeping tags when None). Offloaded memory comes back
+    def wake(self, tags: Iterable[str] | str | None = None) -> Report:
+        """Wake the named tags (one name, or all sleeping tags when None). Offloaded memory comes back
         byte-identical, discarded memory zero-filled, both at the same addresses. If the device
         has no room, WakeError is raised, nothing stays half-mapped and the call can be retried.
         If this process's CUDA context is checkpointed (`checkpoint_context`), it is restored first."""
         start = time.perf_counter()
         self.restore_context()
         with self._lock, self._on_device():
-            names = list(self._states) if tags is None else [self._check_tag(t) for t in tags]
+            names = list(self._states) if tags is None else self._check_tags(tags)
             plan = {t: self._actions[t] for t in names if self._states[t] is TagState.ASLEEP}
             reports = self._backend.wake(plan) if plan else []
             for tag in plan:
@@ -214,22 +214,22 @@ class MemoryManager:
                 del self._actions[tag]
         return Report("wake", tuple(reports), time.perf_counter() - start)
 
-    def reserve_host(self, tags: Iterable[str]) -> int:
+    def reserve_host(self, tags: Iterable[str] | str) -> int:
         """Allocate now the host buffers (pinned on CUDA) that offloading `tags` will need, so the
         first sleep runs at the host link's speed instead of paying for pinning (~0.5 s/GiB). Returns
         the bytes reserved; raises HostMemoryError (nothing kept) when the host cannot hold them."""
-        names = [self._check_tag(t) for t in tags]
+        names = self._check_tags(tags)
         self._check_context("reserve_host")
         with self._lock, self._on_device():
             return self._backend.reserve(names)
 
-    def reserve_host_in_background(self, tags: Iterable[str],
+    def reserve_host_in_background(self, tags: Iterable[str] | str,
                                    on_done: Callable[[HostReservation], None] | None = None) -> HostReservation:
         """`reserve_host(tags)` on a background thread, one segment at a time, so that start-up does not
         wait for it and a `sleep` never waits for more than one segment: a sleep stops the reservation and
         makes what is missing itself. Returns a handle (`wait()`, `reserved_bytes`, `error`); `on_done(handle)`
         runs on the background thread when it ends (not when a sleep stopped it)."""
-        names = [self._check_tag(t) for t in tags]
+        names = self._check_tags(tags)
         self._stop_reservation()
         self._reservation = HostReservation(self, names, on_done)
         return self._reservation
@@ -325,6 +325,10 @@ class MemoryManager:
             if tag is None:
                 return any(s is TagState.ASLEEP for s in self._states.values())
             return self._states[self._check_tag(tag)] is TagState.ASLEEP
+
+    def _check_tags(self, tags: Iterable[str]) -> list[str]:
+        """Known tags; one name alone stands for itself (`wake("weights")`), not for its letters."""
+        return [self._check_tag(tags)] if isinstance(tags, str) else [self._check_tag(t) for t in tags]
 
     def _check_tag(self, tag: str) -> str:
         if tag not in self._states:
