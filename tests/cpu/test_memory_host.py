@@ -371,3 +371,14 @@ def test_quantized_tensors_can_be_made_in_a_scope(mm):
         q = torch.quantize_per_tensor(torch.arange(8.0), 0.5, 0, torch.quint8)
         plain = q.dequantize()
     assert torch.equal(plain, torch.arange(8.0)) and tag_of(mm, plain) == "q"
+
+
+def test_sleep_of_a_list_says_it_takes_a_mapping(mm):
+    """`mm.sleep(["weights"])` was "AttributeError: 'list' object has no attribute 'items'"."""
+    with mm.tag("weights"):
+        torch.ones(10)
+    with pytest.raises(TypeError, match=r"mapping of tag to action.*\['weights'\]"):
+        mm.sleep(["weights"])
+    with pytest.raises(TypeError, match="mapping of tag to action"):
+        mm.check_sleep(["weights"])
+    assert not mm.is_sleeping()

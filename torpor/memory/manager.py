@@ -163,7 +163,7 @@ class MemoryManager:
         is, except that `discard` on an offloaded tag drops its host copy. All or nothing: if
         host memory for the copies is missing, HostMemoryError is raised and every tag stays
         awake."""
-        plan = {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
+        plan = self._plan(actions)
         self._check_context("sleep")
         self._stop_reservation()  # the sleep takes over what the background reservation has not done
         start = time.perf_counter()
@@ -185,10 +185,15 @@ class MemoryManager:
         """Raise, touching nothing, what `sleep(actions)` would raise that can be known beforehand: an
         unknown tag or action, an open tag scope, host copies beyond `max_host_bytes` (HostMemoryError). A
         caller that must undo work if the sleep fails (the engine aborting requests) checks first."""
-        plan = {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
+        plan = self._plan(actions)
         self._check_context("sleep")
         with self._lock:
             self._backend.check_sleep(self._awake_plan(plan), self._clean)
+
+    def _plan(self, actions: Mapping[str, str | Action]) -> dict[str, Action]:
+        if not isinstance(actions, Mapping):
+            raise TypeError(f"sleep takes a mapping of tag to action, e.g. {{'weights': 'offload'}}; got {actions!r}")
+        return {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
 
     def _awake_plan(self, plan: dict[str, Action]) -> dict[str, Action]:
         """The actions of `plan` on awake tags (what a sleep releases); refuses tags with an open scope.
