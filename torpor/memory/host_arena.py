@@ -10,6 +10,7 @@ collection can start anywhere); the queue is drained under the lock by the next 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -55,17 +56,17 @@ class HostChunk(Segment):
         return None
 
     def give_back(self, offset: int) -> None:
+        """Return a live block to the sorted free list, merged with its free neighbours (no full re-sort:
+        freeing n small blocks in any order stays near-linear)."""
         size = self.live.pop(offset)
         ranges = self.free_ranges
-        ranges.append((offset, size))
-        ranges.sort()
-        merged: list[tuple[int, int]] = []
-        for off, sz in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + sz)
-            else:
-                merged.append((off, sz))
-        self.free_ranges = merged
+        i = bisect.bisect(ranges, (offset, size))
+        if i < len(ranges) and offset + size == ranges[i][0]:
+            size += ranges.pop(i)[1]
+        if i and ranges[i - 1][0] + ranges[i - 1][1] == offset:
+            ranges[i - 1] = (ranges[i - 1][0], ranges[i - 1][1] + size)
+        else:
+            ranges.insert(i, (offset, size))
 
     @property
     def high_water(self) -> int:

@@ -212,7 +212,8 @@ class _ArenaMode(TorchDispatchMode):
         return tree_map_only(torch.Tensor, lambda t: self._place(t, tag, inputs), out)
 
     def _place(self, t: torch.Tensor, tag: str, inputs: set[int]) -> torch.Tensor:
-        if t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0 or type(t) is not torch.Tensor:
+        if (t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0 or type(t) is not torch.Tensor
+                or t.is_quantized):  # a quantized tensor's quantizer cannot be carried over by `set_`
             return t
         ptr = t.untyped_storage().data_ptr()
         if ptr in inputs or self.backend.find(ptr) is not None:

@@ -163,7 +163,7 @@ class MemoryManager:
         is, except that `discard` on an offloaded tag drops its host copy. All or nothing: if
         host memory for the copies is missing, HostMemoryError is raised and every tag stays
         awake."""
-        plan = {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
+        plan = self._plan(actions)
         self._check_context("sleep")
         self._stop_reservation()  # the sleep takes over what the background reservation has not done
         start = time.perf_counter()
@@ -185,10 +185,15 @@ class MemoryManager:
         """Raise, touching nothing, what `sleep(actions)` would raise that can be known beforehand: an
         unknown tag or action, an open tag scope, host copies beyond `max_host_bytes` (HostMemoryError). A
         caller that must undo work if the sleep fails (the engine aborting requests) checks first."""
-        plan = {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
+        plan = self._plan(actions)
         self._check_context("sleep")
         with self._lock:
             self._backend.check_sleep(self._awake_plan(plan), self._clean)
+
+    def _plan(self, actions: Mapping[str, str | Action]) -> dict[str, Action]:
+        if not isinstance(actions, Mapping):
+            raise TypeError(f"sleep takes a mapping of tag to action, e.g. {{'weights': 'offload'}}; got {actions!r}")
+        return {self._check_tag(tag): Action.parse(action) for tag, action in actions.items()}
 
     def _awake_plan(self, plan: dict[str, Action]) -> dict[str, Action]:
         """The actions of `plan` on awake tags (what a sleep releases); refuses tags with an open scope.
@@ -198,15 +203,15 @@ class MemoryManager:
             raise RuntimeError(f"cannot sleep tags {busy}: a `tag` scope is open on them")
         return {t: a for t, a in plan.items() if a is not Action.KEEP and self._states[t] is TagState.AWAKE}
 
-    def wake(self, tags: Iterable[str] | None = None) -> Report:
-        """Wake the named tags (all sleeping tags when None). Offloaded memory comes back
+    def wake(self, tags: Iterable[str] | str | None = None) -> Report:
+        """Wake the named tags (one name, or all sleeping tags when None). Offloaded memory comes back
         byte-identical, discarded memory zero-filled, both at the same addresses. If the device
         has no room, WakeError is raised, nothing stays half-mapped and the call can be retried.
         If this process's CUDA context is checkpointed (`checkpoint_context`), it is restored first."""
         start = time.perf_counter()
         self.restore_context()
         with self._lock, self._on_device():
-            names = list(self._states) if tags is None else [self._check_tag(t) for t in tags]
+            names = list(self._states) if tags is None else self._check_tags(tags)
             plan = {t: self._actions[t] for t in names if self._states[t] is TagState.ASLEEP}
             reports = self._backend.wake(plan) if plan else []
             for tag in plan:
@@ -214,22 +219,22 @@ class MemoryManager:
                 del self._actions[tag]
         return Report("wake", tuple(reports), time.perf_counter() - start)
 
-    def reserve_host(self, tags: Iterable[str]) -> int:
+    def reserve_host(self, tags: Iterable[str] | str) -> int:
         """Allocate now the host buffers (pinned on CUDA) that offloading `tags` will need, so the
         first sleep runs at the host link's speed instead of paying for pinning (~0.5 s/GiB). Returns
         the bytes reserved; raises HostMemoryError (nothing kept) when the host cannot hold them."""
-        names = [self._check_tag(t) for t in tags]
+        names = self._check_tags(tags)
         self._check_context("reserve_host")
         with self._lock, self._on_device():
             return self._backend.reserve(names)
 
-    def reserve_host_in_background(self, tags: Iterable[str],
+    def reserve_host_in_background(self, tags: Iterable[str] | str,
                                    on_done: Callable[[HostReservation], None] | None = None) -> HostReservation:
         """`reserve_host(tags)` on a background thread, one segment at a time, so that start-up does not
         wait for it and a `sleep` never waits for more than one segment: a sleep stops the reservation and
         makes what is missing itself. Returns a handle (`wait()`, `reserved_bytes`, `error`); `on_done(handle)`
         runs on the background thread when it ends (not when a sleep stopped it)."""
-        names = [self._check_tag(t) for t in tags]
+        names = self._check_tags(tags)
         self._stop_reservation()
         self._reservation = HostReservation(self, names, on_done)
         return self._reservation
@@ -325,6 +330,10 @@ class MemoryManager:
             if tag is None:
                 return any(s is TagState.ASLEEP for s in self._states.values())
             return self._states[self._check_tag(tag)] is TagState.ASLEEP
+
+    def _check_tags(self, tags: Iterable[str]) -> list[str]:
+        """Known tags; one name alone stands for itself (`wake("weights")`), not for its letters."""
+        return [self._check_tag(tags)] if isinstance(tags, str) else [self._check_tag(t) for t in tags]
 
     def _check_tag(self, tag: str) -> str:
         if tag not in self._states:

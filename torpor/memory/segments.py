@@ -223,7 +223,7 @@ class SegmentStore(ABC):
     def _check_host_budget(self, offload: list[Segment]) -> None:
         if self.max_host_bytes is None:
             return
-        new = sum(self._backup_need(s) for s in offload if s.backup is None)
+        new = sum(self._backup_growth(s) for s in offload)
         held = self.host_backup_bytes()
         if held + new > self.max_host_bytes:
             raise HostMemoryError(
@@ -231,8 +231,14 @@ class SegmentStore(ABC):
                 f"{_size(self.max_host_bytes)}; nothing was released")
 
     def _backup_need(self, segment: Segment) -> int:
-        """Host bytes a new backup of `segment` will take."""
+        """Host bytes a backup of `segment` will take."""
         return segment.size
+
+    def _backup_growth(self, segment: Segment) -> int:
+        """Host bytes an offload of `segment` adds to what its backup holds (a host chunk's live bytes
+        may have grown since its backup was made)."""
+        held = self.backup_size(segment) if segment.backup is not None else 0
+        return max(self._backup_need(segment) - held, 0)
 
     # ---- device primitives -------------------------------------------------------------
     @abstractmethod
