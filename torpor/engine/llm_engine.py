@@ -18,7 +18,7 @@ import torch
 from torpor.engine.config import EngineConfig
 from torpor.engine.model_runner import ModelRunner
 from torpor.engine.outputs import RequestOutput
-from torpor.engine.sampling_params import SamplingParams
+from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import Sequence
 from torpor.engine.sleep_mode import LEVELS, SleepMode, WakeResult
@@ -138,8 +138,8 @@ class LLMEngine:
                                "sampling_params")
         try:
             params.check_vocab(self.vocab_size)
-        except ValueError as exc:  # the message begins with the field at fault
-            raise RequestError(str(exc), str(exc).split(" ", 1)[0]) from None
+        except OutOfVocabulary as exc:
+            raise RequestError(str(exc), exc.field) from None
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         token_ids, text = self._prompt_tokens(prompt)

@@ -159,14 +159,23 @@ class SamplingParams:
         return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError (its first word the field) when logit_bias or stop_token_ids names a token outside the
-        model's vocabulary (min_tokens masks the stop tokens by index: such an id would fail the whole step)."""
-        fields = {"logit_bias token ids": [token_id for token_id, _ in self.logit_bias],
-                  "stop_token_ids": self.stop_token_ids}
-        for name, ids in fields.items():
+        """OutOfVocabulary (a ValueError naming its `field`) when logit_bias or stop_token_ids names a token
+        outside the model's vocabulary (min_tokens masks the stop tokens by index: such an id would fail the
+        whole step)."""
+        fields = {"logit_bias": [token_id for token_id, _ in self.logit_bias], "stop_token_ids": self.stop_token_ids}
+        for field, ids in fields.items():
             bad = [token_id for token_id in ids if token_id >= vocab_size]
             if bad:
-                raise ValueError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad[:5]}")
+                what = "logit_bias token ids" if field == "logit_bias" else field
+                raise OutOfVocabulary(f"{what} must be in [0, {vocab_size}) (the vocabulary), got {bad[:5]}", field)
+
+
+class OutOfVocabulary(ValueError):
+    """A token id beyond the model's vocabulary; `field` names the parameter that holds it."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _is_finite(value: object) -> bool:

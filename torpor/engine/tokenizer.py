@@ -3,7 +3,6 @@
 
 import functools
 import itertools
-import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import tokenizers
 import tokenizers.decoders
+
+from torpor.engine.models.config import read_json_object
 
 if TYPE_CHECKING:
     from torpor.engine.sampling_params import SamplingParams
@@ -39,7 +40,7 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         try:
-            config = _read_object(config_file) if config_file.is_file() else {}
+            config = read_json_object(config_file) if config_file.is_file() else {}
             template = _default_template(config.get("chat_template"))
             for key in ("bos_token", "eos_token"):
                 if not isinstance(_token_content(config.get(key)), str | None):
@@ -210,17 +211,6 @@ def _byte_level_decoder() -> dict[str, int]:
 
 def _token_content(token: str | dict | None) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
-
-
-def _read_object(file: Path) -> dict[str, Any]:
-    """The JSON object in `file`; ValueError for one that is not JSON, nests too deeply or is no object."""
-    try:
-        value = json.loads(file.read_text())
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"not a JSON object (a {type(value).__name__})")
-    return value
 
 
 def _default_template(template: object) -> str | None:
