@@ -406,3 +406,38 @@ def test_a_dropped_registered_buffer_is_unregistered_before_its_memory_is_unmapp
         view.fill_(7)
         assert torch.equal(view.cuda(non_blocking=True).cpu(), view)
         again.free()
+
+
+def test_a_background_reservation_pins_outside_the_locks_the_engine_takes(monkeypatch):
+    """While the background reservation pins a segment's copy, the owner can still open tag scopes and make
+    new segments (every step of an engine does): the pin holds neither the manager's nor the store's lock.
+    A segment freed while its copy is being pinned gets none (the buffer is given back)."""
+    from torpor.memory import cuda_backend
+
+    mm = MemoryManager("cuda")
+    with mm.tag("w"):
+        w = torch.randn(16 * MiB, device="cuda")  # 64 MiB
+    ref = w.clone()
+    pinning, go_on = threading.Event(), threading.Event()
+    real_allocate = cuda_backend.HostBuffer.allocate
+
+    def slow_allocate(size, kind):
+        pinning.set()
+        assert go_on.wait(60), "the owner could not use the manager while a copy was being pinned"
+        return real_allocate(size, kind)
+
+    monkeypatch.setattr(cuda_backend.HostBuffer, "allocate", staticmethod(slow_allocate))
+    reservation = mm.reserve_host_in_background(["w"])
+    assert pinning.wait(60)
+    with mm.tag("other"):  # takes the manager's lock and makes a new segment under the store's lock
+        other = torch.ones(4 * MiB, device="cuda")
+    go_on.set()
+    assert reservation.wait(120) and reservation.error is None
+    assert reservation.reserved_bytes >= 64 * MiB
+    copies = [s.backup for s in mm._backend.of_tag("w")]
+    assert all(b is not None and b.kind == "pinned" for b in copies)
+    mm.sleep({"w": "offload", "other": "offload"})
+    assert [s.backup for s in mm._backend.of_tag("w")] == copies  # the sleep used the reserved copies
+    mm.wake()
+    assert torch.equal(w, ref) and bool((other == 1).all())
+    mm.close()

@@ -200,6 +200,28 @@ class CudaBackend(SegmentStore):
             raise HostMemoryError(f"no host memory for a {need:.0f} MiB {self.host_backup} offload ({exc}); "
                                   "nothing was released") from None
 
+    def reserve_one(self, tags: list[str]) -> int | None:
+        """The host copy of one more segment of `tags`, pinned *outside* the store's lock: pinning takes
+        ~0.2 s per GiB, and the engine's own work meanwhile (new segments, scopes) takes that lock. The buffer
+        is attached if the segment still needs it when pinning ends, else given back (returns 0)."""
+        with self.lock:
+            seg = self._next_unreserved(tags)
+            if seg is None:
+                return None
+            self._check_host_budget([seg])
+        self.wait_host_frees()  # old copies go before new ones are pinned
+        try:
+            buffer = HostBuffer.allocate(seg.size, self.host_backup)
+        except (MemoryError, OSError, CudaDriverError) as exc:
+            raise HostMemoryError(f"no host memory for a {seg.size / 2**20:.0f} MiB {self.host_backup} copy "
+                                  f"({exc})") from None
+        with self.lock:
+            if self.segments.get(seg.address) is seg and seg.resident and seg.backup is None:
+                seg.backup = buffer
+                return buffer.size
+        buffer.free()  # the segment went, or a sleep made its copy meanwhile
+        return 0
+
     def backup_size(self, segment: Segment) -> int:
         return segment.backup.size
 

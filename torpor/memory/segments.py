@@ -175,6 +175,15 @@ class SegmentStore(ABC):
             self._reserve_backups(segs)  # raises HostMemoryError having freed what it made
             return sum(self.backup_size(s) for s in segs)
 
+    def reserve_one(self, tags: list[str]) -> int | None:
+        """`reserve(tags, max_segments=1)`: the host copy of one more segment; None when none is left. A
+        backend whose buffers take long to make (pinning) overrides it to make the buffer outside the lock."""
+        return self.reserve(tags, max_segments=1)
+
+    def _next_unreserved(self, tags: list[str]) -> Segment | None:
+        """The first resident segment of `tags` without a host buffer (call with the lock held)."""
+        return next((s for tag in tags for s in self.of_tag(tag) if s.resident and s.backup is None), None)
+
     def mark_dirty(self, tag: str) -> None:
         """The tag's device bytes may differ from its host copy from now on."""
         with self.lock:
