@@ -38,10 +38,16 @@ def main() -> None:
     for gib in (int(g) for g in args.gib.split(",")):
         buffer = HostBuffer.allocate(gib << 30, "pinned") if gib else None
         try:
-            cycle(f"{gib} GiB pinned host memory ({'registered' if buffer and buffer._registered else 'none'})")
+            cycle(f"{gib} GiB pinned host memory ({'registered mmap' if buffer and buffer._registered else 'none'})")
         finally:
             if buffer is not None:
                 buffer.free()
+        if gib:  # the driver's own pinned allocation, for comparison
+            ptr = cuda_driver.host_alloc_pinned(gib << 30)
+            try:
+                cycle(f"{gib} GiB pinned host memory (cuMemHostAlloc)")
+            finally:
+                cuda_driver.host_free_pinned(ptr)
     assert float(keep.sum()) == keep.numel(), "device memory changed across checkpoint/restore"
 
 

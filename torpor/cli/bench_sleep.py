@@ -173,6 +173,20 @@ def loader_figures(llm, model: str, device: str) -> dict:
             print(f"reload {name} path, page cache {cache}: {seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s",
                   flush=True)
     sweep = staging_sweep(local.model, model, device, nbytes, timed)
+    wake = level2_wake_reload(llm, files, device)
+    print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
+          flush=True)
+    # The first level-2 sleep discards the weights' reserved host copy, whose pinned pages a background thread
+    # gives back (~0.1 s/GiB) while the wake runs; an RL loop sleeping at level 2 every step has no copy left.
+    again = level2_wake_reload(llm, files, device)
+    print(f"level-2 wake + reload, again (no host copy left to give back): {again['total_s']:.3f} s (wake "
+          f"{again['wake_s']:.3f}, reload {again['reload_s']:.3f})", flush=True)
+    return dict(checkpoint_gb=nbytes / 1e9, reload=rows, staging_sweep=sweep, level2_wake_reload=wake,
+                level2_wake_reload_again=again)
+
+
+def level2_wake_reload(llm, files, device: str) -> dict:
+    """One level-2 sleep, then the wake and `reload_weights()` timed (page cache warm)."""
     warm_page_cache(files)
     llm.sleep(2)
     start = time.perf_counter()
@@ -181,10 +195,7 @@ def loader_figures(llm, model: str, device: str) -> dict:
     llm.reload_weights()
     _sync(device)
     done = time.perf_counter()
-    wake = dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
-    print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
-          flush=True)
-    return dict(checkpoint_gb=nbytes / 1e9, reload=rows, staging_sweep=sweep, level2_wake_reload=wake)
+    return dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
 
 
 # (staging buffers, MiB each) tried by `staging_sweep`; the first is the loader's default (weight_staging.py).
@@ -509,6 +520,10 @@ def report_loader(r: dict) -> None:
     w = loader["level2_wake_reload"]
     console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
                   f"reload {w['reload_s']:.3f} s)")
+    if "level2_wake_reload_again" in loader:
+        w = loader["level2_wake_reload_again"]
+        console.print(f"level-2 wake + reload, again: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
+                      f"reload {w['reload_s']:.3f} s; goal <= 0.8 s)")
     if "answers_unchanged" in loader:
         console.print(f"answers after the reloads: {'unchanged' if loader['answers_unchanged'] else 'CHANGED'}")
     for key, label in (("cold_start_phases_profiling", "profiling its step"),

@@ -51,6 +51,10 @@ ALLOCATION_LOCK = threading.RLock()  # see the module docstring
 # Copies are issued in chunks of this size: one multi-GiB host->device copy ran at half the link's
 # speed on an H200 (27.5 GB/s) where 16 MiB copies ran at 99% (docs/memory-gpu-results.md).
 COPY_CHUNK_BYTES = 64 << 20
+# A segment woken without a copy (discarded: zero-filled) is mapped in pieces of this size: small pieces only
+# serve to start a refill's copies early, and each piece costs a cuMemCreate + cuMemMap + cuMemSetAccess
+# (H200, 32 GiB mapped: 64 MiB pieces 0.032 s, 1 GiB pieces 0.005 s; scripts/probe_map_pieces.py, run 5).
+ZERO_FILL_PIECE_BYTES = 1 << 30
 
 # Every store that owns segments, so `audit` can tell "another manager's tag" from "no tag".
 _STORES: list[CudaBackend] = []
@@ -266,6 +270,8 @@ class CudaBackend(SegmentStore):
     def _restore(self, segment: Segment) -> None:
         stream = self._stream_handle()
         piece = self.piece_bytes or segment.size
+        if not segment.holds_copy:  # nothing to copy, so nothing to start early: few, large pieces
+            piece = max(piece, self.vm.round_up(ZERO_FILL_PIECE_BYTES))
         for offset in range(0, segment.size, piece):
             size = min(piece, segment.size - offset)
             try:
