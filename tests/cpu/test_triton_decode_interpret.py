@@ -147,3 +147,58 @@ def test_reference_matches_dense_attention():
     dense = torch.nn.functional.scaled_dot_product_attention(q[0][:, None], keys, values, enable_gqa=True)
     ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 32**-0.5)
     torch.testing.assert_close(ref[0], dense[:, 0])
+
+
+def shared_prefix_case(context_lens, shared_blocks, *, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.float32, seed=0):
+    """Two layouts of the same logical KV: `shared` has each group's members point at the leader's physical
+    blocks for the first `shared_blocks[i]` blocks (prefix caching, n samples); `copied` gives every sequence
+    its own blocks holding the same values. shared_blocks[i] = (leader index, number of blocks) or None."""
+    q, k_cache, v_cache, tables, lens = make_case(context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                                  head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)
+    shared = tables.clone()
+    for seq, spec in enumerate(shared_blocks):
+        if spec is None:
+            continue
+        leader, count = spec
+        for b in range(count):
+            k_cache[tables[seq, b]] = k_cache[tables[leader, b]]  # the copied layout: same values, own block
+            v_cache[tables[seq, b]] = v_cache[tables[leader, b]]
+            shared[seq, b] = tables[leader, b]
+    return q, k_cache, v_cache, shared, tables, lens
+
+
+def decode(q, k_cache, v_cache, tables, lens):
+    out = torch.full_like(q, float("nan"))
+    return td.paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5, out, num_splits=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequences_sharing_a_prefix_are_computed_right(dtype):
+    """n samples of one prompt (blocks shared by reference) are computed as one group that reads the shared
+    prefix once; each sequence's output matches the layout where nothing is shared, and the reference. (On the
+    GPU the two layouts are bit-identical: tests/gpu/test_triton_decode.py. The interpreter's tl.dot is numpy's
+    matmul, whose rounding may depend on a row's position in the tile.)"""
+    # seqs 0-4 share 6 blocks (96 tokens) of seq 0; 5 stands alone; 6-7 share 2 blocks (32 < BLOCK_N tokens:
+    # grouped, no prefix read together); 8 is shorter than BLOCK_N; 9 is a CUDA-graph padding row.
+    lens = [130, 100, 96, 97, 161, 120, 70, 75, 40, 0]
+    specs = [None, (0, 6), (0, 6), (0, 6), (0, 6), None, None, (6, 2), None, None]
+    q, k_cache, v_cache, shared, tables, lens_t = shared_prefix_case(lens, specs, dtype=dtype)
+    alone = decode(q, k_cache, v_cache, tables, lens_t)
+    together = decode(q, k_cache, v_cache, shared, lens_t)
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, shared, lens_t, q.shape[-1] ** -0.5)
+    for out in (alone, together):
+        error = (out.float() - ref).abs().amax(dim=(1, 2)) / ref.abs().max()
+        assert (error < TOLERANCE[dtype]).all(), f"relative error per sequence {error.tolist()}"
+    assert (together[9] == 0).all() and torch.isfinite(together).all()
+
+
+def test_more_sharing_sequences_than_a_group_holds():
+    """20 sequences on one prefix (one kv head of 4 query heads: groups of 8, 8 and 4), with the group
+    leaders' own lengths differing: every sequence still right."""
+    lens = [64 + 7 * i for i in range(20)]
+    q, k_cache, v_cache, shared, _, lens_t = shared_prefix_case(
+        lens, [None] + [(0, 4)] * 19, num_q_heads=8, num_kv_heads=2, head_dim=16)
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, shared, lens_t, q.shape[-1] ** -0.5)
+    error = (decode(q, k_cache, v_cache, shared, lens_t) - ref).abs().amax(dim=(1, 2)) / ref.abs().max()
+    assert (error < TOLERANCE[torch.float32]).all(), f"relative error per sequence {error.tolist()}"

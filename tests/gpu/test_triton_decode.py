@@ -122,3 +122,53 @@ def test_cuda_graph_replay_matches_eager():
         assert torch.equal(out, eager)
         ref = paged_decode_attention_reference(*fresh, 128**-0.5)
         assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def grpo_layouts(geometry: dict, num_prompts: int, n: int, prompt_len: int, generated: int, seed: int = 0):
+    """A GRPO-shaped decode batch: `num_prompts` prompts x n samples, each sample `prompt_len + generated`
+    tokens (generated ones differing per sample by one). Returns the inputs with the prompt's full blocks
+    shared by the n samples (prefix caching) and the block tables of a layout where every sample has its own
+    blocks holding the same values (caching off)."""
+    block_size = geometry["block_size"]
+    lens = [prompt_len + generated + (i % n) for i in range(num_prompts * n)]
+    q, k_cache, v_cache, tables, context_lens = random_paged_decode_inputs(
+        lens, dtype=torch.bfloat16, device="cuda", seed=seed, poison_unused=False, **geometry)
+    shared = tables.clone()
+    full = prompt_len // block_size
+    for i in range(len(lens)):
+        leader = i - i % n
+        if leader != i:
+            k_cache[tables[i, :full].long()] = k_cache[tables[leader, :full].long()]
+            v_cache[tables[i, :full].long()] = v_cache[tables[leader, :full].long()]
+            shared[i, :full] = tables[leader, :full]
+    return (q, k_cache, v_cache, shared, context_lens), tables
+
+
+@pytest.mark.parametrize("geometry", [QWEN3_8B, {"num_q_heads": 16, "num_kv_heads": 8, "head_dim": 128,
+                                                 "block_size": 16}], ids=["qwen3-8b", "qwen3-0.6b"])
+def test_samples_sharing_a_prompt_give_the_bits_they_give_alone(geometry):
+    """The decode kernel computes sequences that share prefix blocks as a group reading the prefix once; every
+    sequence's bits are those of the layout where nothing is shared (what prefix caching on = off needs).
+    Prints the kernel's time for both layouts at the GRPO shape (64 prompts x 8 samples)."""
+    inputs, own_tables = grpo_layouts(geometry, num_prompts=64, n=8, prompt_len=512, generated=100)
+    q, k_cache, v_cache, shared, lens = inputs
+    scale = geometry["head_dim"] ** -0.5
+    together = td.paged_decode_attention(q, k_cache, v_cache, shared, lens, scale, torch.empty_like(q))
+    alone = td.paged_decode_attention(q, k_cache, v_cache, own_tables, lens, scale, torch.empty_like(q))
+    assert torch.equal(together, alone)
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, shared, lens, scale)
+    assert relative_error(together, ref) < TOLERANCE[torch.bfloat16]
+    times = {}
+    for name, tables in (("shared prefix", shared), ("own blocks", own_tables)):
+        out = torch.empty_like(q)
+        for _ in range(3):
+            td.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            td.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out)
+        end.record()
+        end.synchronize()
+        times[name] = start.elapsed_time(end) / 20
+    print(f"\ndecode attention, 512 sequences x ~612 tokens ({geometry['num_q_heads']}/{geometry['num_kv_heads']} "
+          f"heads): shared prefix {times['shared prefix']:.3f} ms, own blocks {times['own blocks']:.3f} ms")
