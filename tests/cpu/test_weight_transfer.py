@@ -317,7 +317,9 @@ def test_http_rl_cycle_from_a_trainer_process(server, tiny_model_path, new_weigh
     assert server.admin.post("/wake_up", params={"tags": "kv_cache"}).json()["serving"]
     assert _served(server) == expected.new
     pusher = WeightPusher(server.url, ADMIN)  # back to the old weights, for the next tests
-    pusher.push(iter_checkpoint(tiny_model_path))
+    report = pusher.push(iter_checkpoint(tiny_model_path))
+    assert report.requests == report.buckets >= 1  # the engine's answers carry its time per phase
+    assert {"decode", "check", "plan", "finite", "copy", "sync", "release", "total"} <= set(report.engine_phases)
     rpc = server.admin.post("/collective_rpc", json={"method": "update_weights_from_tensor", "kwargs": {
         "serialized_named_tensors": [serialize(list(iter_checkpoint(tiny_model_path))[:2])]}})
     assert rpc.status_code == 200 and rpc.json()["results"][0]["num_tensors"] == 2

@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder or preset (default: qwen3-8b on GPU, tiny on CPU)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--bucket-mb", type=int, default=512, help="flattened bucket size (MiB)")
+    p.add_argument("--bucket-mb", type=float, default=512, help="flattened bucket size (MiB; fractions allowed, "
+                   "e.g. 0.25 to make the per-bucket costs of a small model visible)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--distributed", action="store_true", help="also the NCCL path, trainer on the next GPU")
     p.add_argument("--skip-in-process", action="store_true", help="skip the in-process LLM comparison")
@@ -60,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bucket_bytes(args: argparse.Namespace) -> int:
+    return max(1, int(args.bucket_mb * 2**20))
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -86,11 +91,11 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
     from torpor.rl.engine_process import EngineProcess
 
     with EngineProcess(model, _serve_args(device)) as engine:
-        pusher = WeightPusher(engine.url, engine.admin_token, bucket_bytes=args.bucket_mb << 20)
+        pusher = WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args))
         before = _greedy(engine)
         pusher.push(tensors)  # warm-up (first IPC opens, code paths)
         pushes = [pusher.push(tensors) for _ in range(args.repeat)]
-        one_request = WeightPusher(engine.url, engine.admin_token, bucket_bytes=args.bucket_mb << 20,
+        one_request = WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args),
                                    buckets_per_request=1 << 20)  # every bucket in one request (torpor's extension)
         one_request.push(tensors)
         single = [one_request.push(tensors).seconds for _ in range(args.repeat)]
@@ -110,6 +115,7 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
     push_s = _median([p.seconds for p in pushes])
     result = {"push_s": push_s, "push_gbps": pushes[0].bytes / push_s / GB, "buckets": pushes[0].buckets,
               "push_engine_s": _median([p.engine_seconds for p in pushes]),
+              "push_phases_ms_per_request": phases_per_request(pushes),
               "rl_step": {k: _median([s[k] for s in steps]) for k in steps[0]},
               "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle,
               "push_one_request_s": _median(single)}
@@ -117,36 +123,75 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
           f"{result['push_engine_s']:.4f} s of it in the engine's handler); "
           f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
+    print(f"serve push, engine per request: {format_phases(result['push_phases_ms_per_request'])}")
     return result
+
+
+def phases_per_request(reports) -> dict[str, float]:
+    """Median milliseconds per request of each engine phase (`PushReport.engine_phases`), plus "other" (the
+    handler's time in no phase), "outside" (the push's time outside the engine's handler: bucketing,
+    pickling, HTTP; partly overlapped with the engine) and "push" (the whole push per request)."""
+    names = sorted({name for r in reports for name in r.engine_phases} - {"total"})
+    per = {name: _median([r.engine_phases.get(name, 0.0) * 1e3 / max(r.requests, 1) for r in reports])
+           for name in names}
+    total = _median([r.engine_phases.get("total", r.engine_seconds) * 1e3 / max(r.requests, 1) for r in reports])
+    per["other"] = max(0.0, total - sum(per.values()))
+    per["engine"] = total
+    per["outside"] = _median([(r.seconds - r.engine_seconds) * 1e3 / max(r.requests, 1) for r in reports])
+    per["push"] = _median([r.seconds * 1e3 / max(r.requests, 1) for r in reports])
+    return per
+
+
+PHASE_ORDER = ("decode", "check", "plan", "finite", "copy", "buffers", "sync", "sentinel", "release", "other")
+
+
+def format_phases(per: dict[str, float]) -> str:
+    """'decode 0.31 + check 0.02 + ... = engine 1.20 ms; outside 0.80 ms; push 2.00 ms' (known phases first)."""
+    names = [n for n in PHASE_ORDER if n in per] + sorted(set(per) - set(PHASE_ORDER) - {"engine", "outside", "push"})
+    parts = " + ".join(f"{n} {per[n]:.3f}" for n in names)
+    text = f"{parts} = engine {per.get('engine', 0.0):.3f} ms"
+    if "outside" in per:
+        text += f"; outside the engine's handler {per['outside']:.3f} ms; whole push {per['push']:.3f} ms"
+    return text
 
 
 def bench_in_process(model: str, device: str, tensors, args) -> dict:
     """An `LLM` in this process: `update_weights` (per tensor) and `update_weights_from_tensor` (buckets)."""
-    from torpor.engine import LLM
-    from torpor.rl import bucket_named_tensors
+    from torpor.engine import LLM, phase_times
+    from torpor.rl import PushReport, bucket_named_tensors
 
     llm = LLM(model, device=device, max_model_len=2048, max_num_seqs=64,
               gpu_memory_utilization=0.35 if device.startswith("cuda") else 0.9)
     try:
-        update, from_tensor = [], []
-        buckets = list(bucket_named_tensors(tensors, args.bucket_mb << 20))
+        update, from_tensor, phases = [], [], []
+        buckets = list(bucket_named_tensors(tensors, _bucket_bytes(args)))
         for _ in range(args.repeat + 1):
             _sync(device)
             start = time.perf_counter()
             llm.update_weights(tensors)
             _sync(device)
             update.append(time.perf_counter() - start)
+            report = PushReport(0.0, 0, len(buckets), 0, requests=len(buckets))
             start = time.perf_counter()
             for bucket in buckets:
-                llm.update_weights_from_tensor(bucket.payload(), load_format="flattened_bucket")
+                with phase_times.collect() as timings:
+                    llm.update_weights_from_tensor(bucket.payload(), load_format="flattened_bucket")
+                for name, seconds in timings.items():
+                    report.engine_phases[name] = report.engine_phases.get(name, 0.0) + seconds
             _sync(device)
             from_tensor.append(time.perf_counter() - start)
+            report.seconds = report.engine_seconds = from_tensor[-1]
+            phases.append(report)
     finally:
         llm.close()
         del llm
-    result = {"update_weights_s": _median(update[1:]), "update_weights_from_tensor_s": _median(from_tensor[1:])}
+    result = {"update_weights_s": _median(update[1:]), "update_weights_from_tensor_s": _median(from_tensor[1:]),
+              "phases_ms_per_bucket": phases_per_request(phases[1:])}
+    result["phases_ms_per_bucket"].pop("outside")
+    result["phases_ms_per_bucket"].pop("push")
     print(f"in process: update_weights {result['update_weights_s']:.4f} s, update_weights_from_tensor "
           f"(buckets, no IPC) {result['update_weights_from_tensor_s']:.4f} s")
+    print(f"in process, update_weights_from_tensor per bucket: {format_phases(result['phases_ms_per_bucket'])}")
     return result
 
 
@@ -236,6 +281,7 @@ def print_summary(results: dict) -> None:
           f"  (goal ≤ 0.1 s for qwen3-8b)")
     print(f"push, every bucket in one request {serve['push_one_request_s']:.4f} s  "
           f"{results['bytes'] / serve['push_one_request_s'] / GB:.1f} GB/s")
+    print(f"push, {serve['buckets']} requests, per request (ms): {format_phases(serve['push_phases_ms_per_request'])}")
     step = serve["rl_step"]
     print(f"RL step: sleep L2 {step['sleep']:.3f} + wake weights {step['wake_weights']:.3f} + push {step['push']:.3f} "
           f"+ wake kv {step['wake_kv']:.3f} = {step['total']:.3f} s  (goal ≤ 0.6 s)")
@@ -244,6 +290,7 @@ def print_summary(results: dict) -> None:
         ip = results["in_process"]
         print(f"in-process update_weights {ip['update_weights_s']:.4f} s, "
               f"update_weights_from_tensor {ip['update_weights_from_tensor_s']:.4f} s")
+        print(f"in-process update_weights_from_tensor per bucket (ms): {format_phases(ip['phases_ms_per_bucket'])}")
     dist = results.get("distributed")
     if dist and "push_s" in dist:
         print(f"NCCL push {dist['push_s']:.4f} s ({dist['push_gbps']:.1f} GB/s) vs raw broadcast "

@@ -467,7 +467,9 @@ class LLMEngine:
         strict = discarded or not self.model_runner.weights_valid  # after a mix, only the whole set will do
         self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
         try:
-            count = self.model_runner.update_weights(named_tensors, strict=strict)
+            # The RoPE table lives with the weights: only a level-2 discard (which sets weights_discarded until
+            # a complete update or reload) can have wiped it, so an update of intact weights leaves it be.
+            count = self.model_runner.update_weights(named_tensors, strict=strict, reset_buffers=discarded)
         finally:
             self._stop_if_weights_invalid()
         self._weights_restored()

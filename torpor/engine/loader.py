@@ -26,6 +26,7 @@ import logging
 import os
 import struct
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from torpor.engine.models.layers.loading import default_weight_loader, recording_copies
+from torpor.engine.phase_times import phase
 
 logger = logging.getLogger("torpor.engine")
 
@@ -229,13 +231,47 @@ def read_headers(path: str | Path) -> list[TensorEntry]:
 
 
 # ---- the plan: every check before a byte is written ------------------------------------------------
+_parameters: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Parameter]] = weakref.WeakKeyDictionary()
+
+
+def parameters_of(model: nn.Module) -> dict[str, nn.Parameter]:
+    """`dict(model.named_parameters())`, built once per model. Walking the module tree costs a few ms for a
+    36-layer model, and a trainer's push paid it twice per bucket (plan and copy). A model's parameters are
+    registered when it is built and never replaced afterwards: every load copies into them in place, and
+    the CUDA graphs and the memory layer rely on their addresses staying put. Do not mutate the dict."""
+    params = _parameters.get(model)
+    if params is None:
+        params = _parameters[model] = dict(model.named_parameters())
+    return params
+
+
 def plan_copies(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[int], torch.dtype]],
                 strict: bool) -> list[PlannedCopy]:
     """Run every source's weight loader on meta tensors: ValueError for an unknown name, a wrong shape or
     dtype, a duplicate, or (with `strict`) a parameter or fused shard that nothing covers. Returns where
     each source's elements go; sources the model ignores (tied head, RoPE buffers) have no copies."""
-    params = dict(model.named_parameters())
-    stand_ins = {name: torch.empty_like(p, device="meta") for name, p in params.items()}
+    return _plan(model, sources, strict, want_copies=True)
+
+
+def check_sources(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[int], torch.dtype]],
+                  strict: bool) -> None:
+    """The checks of `plan_copies` without the plan. The meta dry run of a source depends only on its name,
+    shape and dtype and on the model's structure, which never changes (`parameters_of`): a (name, shape,
+    dtype) the model accepted once is accepted again without running it, so a trainer pushing in buckets
+    pays the dry run once per tensor per engine, not once per push. Duplicates, unknown names and (with
+    `strict`) coverage are checked on every call."""
+    _plan(model, sources, strict, want_copies=False)
+
+
+_accepted: weakref.WeakKeyDictionary[nn.Module, set[tuple[str, tuple[int, ...], torch.dtype]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _plan(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[int], torch.dtype]], strict: bool,
+          want_copies: bool) -> list[PlannedCopy]:
+    params = parameters_of(model)
+    accepted = _accepted.setdefault(model, set())
+    stand_ins: dict[str, torch.Tensor] = {}  # only the parameters this update names: a bucket names a few
     packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
@@ -250,20 +286,32 @@ def plan_copies(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequ
         param_name, shard_id = _resolve(name, packed)
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
-        param, stand_in = params[param_name], stand_ins[param_name]
-        weight_loader = getattr(param, "weight_loader", default_weight_loader)
-        with recording_copies() as recorded:
-            try:
-                weight_loader(stand_in, torch.empty(tuple(shape), dtype=dtype, device="meta"), shard_id)
-            except (ValueError, RuntimeError) as e:
-                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-        for dst, src in recorded:
-            real = param.data.as_strided(dst.shape, dst.stride(), param.storage_offset() + dst.storage_offset())
-            copies.append(PlannedCopy(name, real, src))
+        key = (name, tuple(int(d) for d in shape), dtype)
+        if want_copies or key not in accepted:
+            param = params[param_name]
+            stand_in = stand_ins.get(param_name)
+            if stand_in is None:
+                stand_in = stand_ins[param_name] = torch.empty_like(param, device="meta")
+            for dst, src in _dry_run(param, stand_in, name, key[1], dtype, shard_id):
+                real = param.data.as_strided(dst.shape, dst.stride(), param.storage_offset() + dst.storage_offset())
+                copies.append(PlannedCopy(name, real, src))
+            accepted.add(key)
         loaded.add((param_name, shard_id))
     if strict:
         _check_complete(params, loaded, packed)
     return copies
+
+
+def _dry_run(param: nn.Parameter, stand_in: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             shard_id: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (destination, source) meta views `param`'s weight loader would copy; ValueError if it refuses."""
+    weight_loader = getattr(param, "weight_loader", default_weight_loader)
+    with recording_copies() as recorded:
+        try:
+            weight_loader(stand_in, torch.empty(shape, dtype=dtype, device="meta"), shard_id)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+    return list(recorded)
 
 
 def plan_checkpoint(model: nn.Module, path: str | Path) -> tuple[list[TensorEntry], list[PlannedCopy]]:
@@ -328,17 +376,22 @@ def load_weights_reference(model: nn.Module, path: str | Path) -> None:
 def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
     """Index of the first tensor holding a NaN or an infinity, else None. One `aminmax` reduction per
     tensor on its own device (NaN propagates into min and max; ±inf is the min or the max): no bool
-    temporary of the tensor's size, 30x faster than `isfinite().all()` on CPU; one synchronization per
-    device for all of them."""
-    extremes: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    temporary of the tensor's size, 30x faster than `isfinite().all()` on CPU. The extremes are stacked
+    per device and dtype (a handful of launches, not three per tensor) and read with one synchronization
+    per device for all of them."""
+    groups: dict[torch.device, dict[torch.dtype, tuple[list[int], list[torch.Tensor]]]] = {}
     for i, tensor in enumerate(tensors):
         if tensor.numel() and tensor.is_floating_point():
-            extremes.setdefault(tensor.device, []).append((i, torch.stack(torch.aminmax(tensor)).float()))
+            indices, extremes = groups.setdefault(tensor.device, {}).setdefault(tensor.dtype, ([], []))
+            indices.append(i)
+            extremes.extend(torch.aminmax(tensor))
     bad = []
-    for found in extremes.values():
-        finite = torch.isfinite(torch.stack([e for _, e in found])).all(dim=1)  # [num_tensors]
+    for by_dtype in groups.values():
+        order = [i for indices, _ in by_dtype.values() for i in indices]
+        finite = torch.cat([torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1)  # [tensors of the dtype]
+                            for _, extremes in by_dtype.values()])
         if not bool(finite.all()):
-            bad.append(found[int((~finite).nonzero()[0])][0])
+            bad.append(min(order[int(j)] for j in (~finite).nonzero().view(-1).tolist()))
     return min(bad) if bad else None
 
 
@@ -357,8 +410,10 @@ def check_update(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tens
     for item in named_tensors:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise ValueError("update_weights takes (name, tensor) pairs")
-    plan_copies(model, ((n, t.shape, t.dtype) for n, t in named_tensors), strict)
-    bad = first_non_finite([t for _, t in named_tensors])
+    with phase("plan"):
+        check_sources(model, ((n, t.shape, t.dtype) for n, t in named_tensors), strict)
+    with phase("finite"):
+        bad = first_non_finite([t for _, t in named_tensors])
     if bad is not None:
         raise ValueError(f"tensor {named_tensors[bad][0]!r} holds non-finite values (NaN or infinity)")
 
@@ -374,7 +429,7 @@ def load_named_tensors(
     loaded. Buffers are not touched: after discarding the weights, call `model.reset_buffers()` once.
     `values_checked`: `check_update` already found every value finite (a list checked whole), so the
     per-tensor check (a device synchronization each, ~400 for an 8B model) is skipped."""
-    params = dict(model.named_parameters())
+    params = parameters_of(model)
     packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()

@@ -43,6 +43,7 @@ from torpor.engine.kv_cache import (
 from torpor.engine.loader import CheckpointError, check_update, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.config import DTYPES
+from torpor.engine.phase_times import phase
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
 from torpor.engine.weight_staging import StagingBuffers
@@ -193,19 +194,29 @@ class ModelRunner:
         with self.engine_stream.scope(), self._writing_weights():
             load_weights(self.model, path, self.staging)
 
-    def update_weights(self, named_tensors, strict: bool) -> int:
-        """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table. A list or
-        tuple is validated whole (names, shapes, dtypes, finite values) before anything is written; a
-        stream (any other iterable) is checked tensor by tensor, so a bad one midway leaves a mix:
-        `weights_valid` is then False until a complete update or a reload."""
+    def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True) -> int:
+        """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table unless
+        `reset_buffers` is False (the caller knows the table is intact, or recomputes it once at the end of
+        a push in buckets: `reset_buffers()`). A list or tuple is validated whole (names, shapes, dtypes,
+        finite values) before anything is written; a stream (any other iterable) is checked tensor by
+        tensor, so a bad one midway leaves a mix: `weights_valid` is then False until a complete update or
+        a reload."""
         with self.engine_stream.scope():
             whole = isinstance(named_tensors, list | tuple)
             if whole:
                 check_update(self.model, named_tensors, strict)
             with self._writing_weights():
-                count = load_named_tensors(self.model, named_tensors, strict=strict, values_checked=whole)
-                self.model.reset_buffers()
+                with phase("copy"):
+                    count = load_named_tensors(self.model, named_tensors, strict=strict, values_checked=whole)
+                if reset_buffers:
+                    self.reset_buffers()
         return count
+
+    def reset_buffers(self) -> None:
+        """Recompute the buffers no checkpoint holds (the RoPE table) in place: after the weights' memory
+        was discarded (level-2 sleep) they are zero like the weights."""
+        with self.engine_stream.scope(), phase("buffers"):
+            self.model.reset_buffers()
 
     def check_update(self, named_tensors, strict: bool) -> None:
         """Validate a whole update (a list) against this rank's model without writing anything."""

@@ -91,20 +91,26 @@ class ParallelModelRunner:
     def reload_weights(self, path: str) -> None:
         self._everywhere("reload_weights", (path,), lambda: self.local.reload_weights(path))
 
-    def update_weights(self, named_tensors, strict: bool) -> int:
+    def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True) -> int:
         """Every rank receives every tensor (it keeps its shard), streamed one at a time: its name through
-        the pipes, its data broadcast over the process group from rank 0's device."""
+        the pipes, its data broadcast over the process group from rank 0's device. `reset_buffers`: as
+        `ModelRunner.update_weights`, on every rank."""
         conns = self.workers.conns
         if isinstance(named_tensors, list | tuple):
             self.local.check_update(named_tensors, strict)  # the whole update, before any rank writes
 
         def local() -> int:
             try:
-                return self.local.update_weights(send_tensors(conns, named_tensors, self.device), strict)
+                return self.local.update_weights(send_tensors(conns, named_tensors, self.device), strict,
+                                                 reset_buffers)
             finally:
                 end_tensors(conns)
 
-        return self._everywhere("update_weights", (strict,), local)
+        return self._everywhere("update_weights", (strict, reset_buffers), local)
+
+    def reset_buffers(self) -> None:
+        """Recompute the buffers no checkpoint holds (the RoPE table) on every rank."""
+        self._everywhere("reset_buffers", (), self.local.reset_buffers)
 
     @property
     def weights_valid(self) -> bool:

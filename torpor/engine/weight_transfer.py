@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import os
 import pickle
@@ -49,6 +50,7 @@ from typing import ClassVar
 import torch
 
 from torpor.engine.models.layers.loading import LOADABLE_DTYPES
+from torpor.engine.phase_times import phase
 
 MAX_SERIALIZED_CHARS = 64 << 20  # one rank's base64 payload (handles, not data: an 8B model is ~15 KB)
 MAX_TENSORS_PER_PAYLOAD = 100_000
@@ -108,9 +110,12 @@ class RestrictedUnpickler(pickle._Unpickler):
         super().__init__(io.BytesIO(data))
         self.max_bytes, self.mapped_bytes = max_bytes, 0
         self.tensors = 0
+        self._table: dict | None = None
 
     def find_class(self, module: str, name: str):
-        allowed = self._allowed().get((module, name))
+        if self._table is None:  # built once per payload, not per GLOBAL opcode
+            self._table = self._allowed()
+        allowed = self._table.get((module, name))
         if allowed is None:
             raise RefusedPickle(f"refused to unpickle {module}.{name}: a weight payload may hold only tensors "
                                 "(torch.multiprocessing rebuild functions), dtypes and plain containers")
@@ -506,9 +511,9 @@ class Manifest:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
         return cls(shapes)
 
-    @property
+    @functools.cached_property
     def max_bytes(self) -> int:
-        """What one payload may map at most: twice the model in fp32."""
+        """What one payload may map at most: twice the model in fp32 (computed once: the manifest is fixed)."""
         return 8 * sum(_numel(s) for s in self.shapes.values()) + (64 << 20)
 
     def check(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -556,29 +561,34 @@ class WeightReceiver:
                                "(POST /wake_up?tags=weights, or wake_up(['weights']))")
 
     def decode(self, serialized: Sequence[str], load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-        """One base64 payload (`serialized_named_tensors` of one entry) -> named tensors, checked. Rank 0 opens
-        it; under tensor parallelism the engine streams the full tensors to the other ranks (one entry per
-        rank goes through `_per_rank_update` instead)."""
+        """One base64 payload (`serialized_named_tensors` of one entry) -> named tensors (`apply` checks them
+        against the manifest before anything is written). Rank 0 opens it; under tensor parallelism the
+        engine streams the full tensors to the other ranks (one entry per rank goes through
+        `_per_rank_update` instead)."""
         tp = self.engine.config.tensor_parallel_size
         if not isinstance(serialized, list | tuple) or len(serialized) not in (1, tp):
             raise ValueError(f"serialized_named_tensors must be a list of 1 or tensor_parallel_size ({tp}) "
                              f"base64 strings, got {_describe(serialized)}")
-        pairs = named_tensors_of(unpickle_payload(serialized[0], self.manifest.max_bytes), load_format)
-        self.manifest.check(pairs)
+        with phase("decode"):
+            pairs = named_tensors_of(unpickle_payload(serialized[0], self.manifest.max_bytes), load_format)
         return pairs
 
     def apply(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> int:
         """Copy checked tensors into the model through the engine's `update_weights` path. After a level-2
         sleep, the engine serves again once every checkpoint tensor came (over any number of calls)."""
-        self.manifest.check(named_tensors)
-        names = [name for name, _ in named_tensors]
-        runner = self.engine.model_runner
         try:
-            if self.discarded:  # part of the set: the engine's own path would want every tensor at once
-                return self.commit(names, lambda: runner.update_weights(named_tensors, strict=False), flush_cache)
+            with phase("check"):
+                self.manifest.check(named_tensors)
+            names = [name for name, _ in named_tensors]
+            runner = self.engine.model_runner
+            if self.discarded:  # part of the set: the engine's own path would want every tensor at once; the
+                # RoPE table is recomputed once, when the set is complete (`commit`)
+                return self.commit(names, lambda: runner.update_weights(named_tensors, strict=False,
+                                                                        reset_buffers=False), flush_cache)
             return self.commit(names, lambda: self.engine.update_weights(named_tensors), flush_cache)
         finally:
-            release_transfer_memory(named_tensors)
+            with phase("release"):
+                release_transfer_memory(named_tensors)
 
     @property
     def discarded(self) -> bool:
@@ -594,12 +604,15 @@ class WeightReceiver:
         if discarded and (self.missing is None or self._discarded_again()):
             self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
         count = copy()
-        _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
+        with phase("sync"):
+            _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
         if discarded:
             self.missing -= set(names)
-            self.sentinel = self._pick_sentinel(names)
+            with phase("sentinel"):
+                self.sentinel = self._pick_sentinel(names)
             if not self.missing:
                 self.missing = self.sentinel = None
+                engine.model_runner.reset_buffers()  # discarded with the weights; the buckets left it (once here)
                 engine._weights_restored()  # every tensor came: the weights are valid, serve again
         if flush_cache and not self.discarded:
             reset = getattr(engine, "reset_prefix_cache", None)
@@ -614,7 +627,9 @@ class WeightReceiver:
         """A non-zero parameter (not a fused one) among those just written, or the one kept so far."""
         if self.sentinel is not None and bool(self.sentinel.any()):
             return self.sentinel
-        params = dict(_model(self.engine).named_parameters())
+        from torpor.engine.loader import parameters_of
+
+        params = parameters_of(_model(self.engine))
         for name in names:
             param = params.get(name)
             if param is not None and bool(param.detach().any()):
@@ -673,7 +688,8 @@ def update_weights_from_tensor(engine, serialized_named_tensors: Sequence[str] |
         raise ValueError(f"flush_cache must be true or false, got {flush_cache!r}")
     tp = engine.config.tensor_parallel_size
     if named_tensors is not None:
-        pairs = named_tensors_of(named_tensors if load_format else list(named_tensors), load_format)
+        with phase("decode"):
+            pairs = named_tensors_of(named_tensors if load_format else list(named_tensors), load_format)
     elif tp > 1 and isinstance(serialized_named_tensors, list | tuple) and len(serialized_named_tensors) == tp:
         return _per_rank_update(engine, receiver, list(serialized_named_tensors), load_format, flush_cache)
     else:
@@ -977,8 +993,8 @@ def rank_command(runner, op: str, *args):
     if op == "apply":
         (group_name,) = args
         tensors = _staged.pop(group_name)
-        try:
-            count = runner.update_weights(tensors, strict=False)
+        try:  # a partial set after a discard: the receiver's commit recomputes the RoPE table once complete
+            count = runner.update_weights(tensors, strict=False, reset_buffers=False)
             _synchronize(runner.device)  # before the trainer's memory is released
             return count
         finally:

@@ -3,7 +3,7 @@ MemoryManager, driven by rank 0 through one `Pipe` per worker.
 
 Rank 0 sends a pickled `(command, args)`; the worker runs it (the forward passes meet in the layers'
 collectives) and answers `("ok", result)` or `("error", exception)`. Commands: run, sleep, wake,
-reload_weights, update_weights (the tensors follow through the process group, see `receive_tensors`),
+reload_weights, update_weights (the tensors follow through the process group, see `receive_tensors`), reset_buffers,
 info, exit. Rank 0's side, `WorkerGroup`, is in worker_group.py.
 
 Workers ignore SIGINT (Ctrl-C reaches the whole process group of a terminal; rank 0 alone decides when
@@ -153,13 +153,15 @@ def _handle(runner, memory, conn, command: str, args: tuple):
     if command == "reload_weights":
         return runner.reload_weights(*args)
     if command == "update_weights":
-        (strict,) = args
+        strict, reset_buffers = args
         tensors = receive_tensors(conn, runner.device)
         try:
-            return runner.update_weights(tensors, strict)
+            return runner.update_weights(tensors, strict, reset_buffers)
         finally:
             for _ in tensors:  # after a failure here: meet rank 0's remaining broadcasts until its "end"
                 pass
+    if command == "reset_buffers":
+        return runner.reset_buffers()
     if command == "info":
         return rank_info(runner, memory)
     if command == "weights_group":  # a trainer's weights update group (weight_transfer.rank_command)

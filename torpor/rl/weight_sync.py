@@ -5,6 +5,8 @@ buckets of `bucket_bytes` (default 512 MiB: a handful of CUDA IPC handles for an
 serialized with `torch.multiprocessing`'s pickler (CUDA tensors as IPC handles; CPU tensors as
 shared-memory files, the `file_system` sharing strategy) and sent to `POST /update_weights_from_tensor`
 or to an in-process `LLM`. Each bucket stays referenced until the engine answered, i.e. has copied it.
+Over HTTP the next request is built (flattened, synchronized, pickled) while the engine copies the
+previous one; the requests themselves still go one at a time, in order, each after the previous answer.
 
 `DistributedPusher` (another device or node): hosts a process group (trainer = rank 0), the engine joins
 through `POST /init_weights_update_group`; each push broadcasts every tensor in order while
@@ -17,8 +19,8 @@ import base64
 import io
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -46,13 +48,17 @@ class Bucket:
 @dataclass
 class PushReport:
     """One push: `seconds` in all (bucketing, serializing, requests); `engine_seconds` of them the engine
-    spent loading (the servers' "seconds", or the in-process calls): the rest is the trainer's side and HTTP."""
+    spent loading (the servers' "seconds", or the in-process calls): the rest is the trainer's side and HTTP.
+    `engine_phases`: the engine's seconds per phase summed over the requests (decode, check, plan, finite,
+    copy, sync, release, ..., total; see `torpor.engine.phase_times`), when the engine reports them."""
 
     seconds: float
     bytes: int
     buckets: int
     tensors: int
     engine_seconds: float = 0.0
+    requests: int = 0
+    engine_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -137,38 +143,76 @@ class WeightPusher:
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
         """Every tensor, `buckets_per_request` buckets per request (SGLang's form: 1; more: fewer round trips,
         more trainer memory held at once); the prefix cache is flushed after the last request. Each bucket is
-        complete on the trainer's device before it is sent (the engine must read finished values)."""
+        complete on the trainer's device before it is sent (the engine must read finished values). Over HTTP
+        the next request is built while the previous one is in flight, so up to three requests' buckets are held
+        at once (the one in flight, the next, and the one after it, built to know whether the next is the last);
+        requests go one at a time, in order, and none is sent after one failed."""
         start = time.perf_counter()
         report = PushReport(0.0, 0, 0, 0)
+        in_flight = None  # (future of the answer, its buckets): referenced until the engine answered
+        with ThreadPoolExecutor(1, thread_name_prefix="torpor-push") as sender:
+            try:
+                for buckets, last in self._requests(named_tensors):
+                    request = self._prepare(buckets, flush_cache=flush_cache and last)
+                    if in_flight is not None:
+                        self._finish(*in_flight, report)
+                        in_flight = None
+                    in_flight = (sender.submit(self._post, request) if self.http is not None
+                                 else _done_future(self._post(request)), buckets)
+                if in_flight is not None:
+                    self._finish(*in_flight, report)
+                    in_flight = None
+            finally:
+                if in_flight is not None:  # a failure while building the next request: the engine may still copy
+                    wait([in_flight[0]])   # the one in flight; its buckets stay referenced until it answered
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _requests(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[list[Bucket], bool]]:
+        """(buckets of one request, whether it is the last), each bucket complete on its device."""
         pending: list[Bucket] = []
         for bucket in bucket_named_tensors(named_tensors, self.bucket_bytes):
             if bucket.flattened.is_cuda:
                 torch.cuda.current_stream(bucket.flattened.device).synchronize()
             if len(pending) == self.buckets_per_request:
-                self._send(pending, flush_cache=False, report=report)
+                yield pending, False
                 pending = []
             pending.append(bucket)  # held back: the last request carries flush_cache
         if pending:
-            self._send(pending, flush_cache=flush_cache, report=report)
-        report.seconds = time.perf_counter() - start
-        return report
+            yield pending, True
 
-    def _send(self, buckets: list[Bucket], flush_cache: bool, report: PushReport) -> None:
-        """Returns once the engine has copied the buckets (the caller drops them afterwards)."""
+    def _prepare(self, buckets: list[Bucket], flush_cache: bool) -> dict:
+        """One request: for HTTP its JSON body (one pickle per rank: each is opened once, as it carries one
+        reference to the trainer's memory); in process the payload itself (no pickling needed)."""
         payload = buckets[0].payload() if len(buckets) == 1 else [b.payload() for b in buckets]
-        if self.http is None:  # an in-process LLM: no pickling needed
+        if self.http is None:
+            return {"payload": payload, "flush_cache": flush_cache}
+        return {"serialized_named_tensors": [serialize(payload) for _ in range(self.tp_size)],
+                "load_format": "flattened_bucket", "flush_cache": flush_cache}
+
+    def _post(self, request: dict) -> dict:
+        """Send one request; returns the engine's answer ({"seconds", "timings"}) once it copied the buckets."""
+        if self.http is None:  # an in-process LLM
+            from torpor.engine import phase_times
+
             start = time.perf_counter()
-            self.target.update_weights_from_tensor(payload, load_format="flattened_bucket", flush_cache=flush_cache)
-            report.engine_seconds += time.perf_counter() - start
-        else:
-            response = self.http.post("/update_weights_from_tensor", json={
-                # one pickle per rank: each is opened once (it carries one reference to the trainer's memory)
-                "serialized_named_tensors": [serialize(payload) for _ in range(self.tp_size)],
-                "load_format": "flattened_bucket",
-                "flush_cache": flush_cache})
-            if response.status_code != 200:
-                raise RuntimeError(f"update_weights_from_tensor failed ({response.status_code}): {response.text}")
-            report.engine_seconds += float(response.json().get("seconds") or 0.0)
+            with phase_times.collect() as timings:
+                self.target.update_weights_from_tensor(request["payload"], load_format="flattened_bucket",
+                                                       flush_cache=request["flush_cache"])
+            return {"seconds": time.perf_counter() - start, "timings": timings}
+        response = self.http.post("/update_weights_from_tensor", json=request)
+        if response.status_code != 200:
+            raise RuntimeError(f"update_weights_from_tensor failed ({response.status_code}): {response.text}")
+        return response.json()
+
+    @staticmethod
+    def _finish(answer: Future, buckets: list[Bucket], report: PushReport) -> None:
+        """Wait for one request's answer (its exception, if it failed) and count it."""
+        result = answer.result()
+        report.engine_seconds += float(result.get("seconds") or 0.0)
+        for phase, seconds in (result.get("timings") or {}).items():
+            report.engine_phases[phase] = report.engine_phases.get(phase, 0.0) + float(seconds)
+        report.requests += 1
         report.bytes += sum(b.nbytes for b in buckets)
         report.buckets += len(buckets)
         report.tensors += sum(len(b.metadata) for b in buckets)
@@ -240,6 +284,12 @@ class DistributedPusher:
             destroy_group_handle(self.group)
             self.http.close()
 
+
+
+def _done_future(result) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 def _refusal(answer) -> str | None:

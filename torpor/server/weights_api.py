@@ -9,7 +9,9 @@
 
 The payloads are unpickled by a restricted unpickler (torch tensors and storages only, see
 torpor/engine/weight_transfer.py); anything else is a 400 and is never called. Weights asleep: 409.
-Success answers `{"success": true, "message", "num_tensors", "seconds", "is_sleeping", "serving"}`.
+Success answers `{"success": true, "message", "num_tensors", "seconds", "is_sleeping", "serving"}`;
+`update_weights_from_tensor` adds `timings` (torpor's extension): the engine thread's seconds per phase
+(decode, check, plan, finite, copy, sync, release, ..., total), which `torpor bench weights` prints.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from torpor.engine import weight_transfer
+from torpor.engine import phase_times, weight_transfer
 from torpor.server.auth import require_admin
 from torpor.server.control import _run, _state
 
@@ -87,9 +89,17 @@ async def destroy_weights_update_group(body: DestroyGroupRequest, request: Reque
 async def _update_from_tensor(server: ServerState, serialized_named_tensors: list[str], load_format: str | None = None,
                               flush_cache: bool = True, **_: Any) -> dict:
     start = time.perf_counter()
-    count = await _run(server.engine.call(weight_transfer.update_weights_from_tensor, server.engine.engine,
-                                          serialized_named_tensors, load_format, flush_cache))
-    return _done(server, f"loaded {count} tensors", start, count)
+    count, timings = await _run(server.engine.call(_timed, weight_transfer.update_weights_from_tensor,
+                                                   server.engine.engine, serialized_named_tensors, load_format,
+                                                   flush_cache))
+    return {**_done(server, f"loaded {count} tensors", start, count), "timings": timings}
+
+
+def _timed(fn, *args):
+    """`fn(*args)` in the engine thread, with the seconds of each phase it marked (`phase_times`)."""
+    with phase_times.collect() as timings:
+        result = fn(*args)
+    return result, timings
 
 
 async def _init_group(server: ServerState, master_address: str, master_port: int, rank_offset: int, world_size: int,
