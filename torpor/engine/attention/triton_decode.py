@@ -82,13 +82,11 @@ def _find_group(
     # The shared prefix: whole blocks equal to the leader's in every member's table, within every context.
     member_lens = tl.load(context_lens_ptr + member_seq, mask=member, other=0)
     shared = tl.min(tl.where(member, member_lens, 2147483647), axis=0)
-    # Only the blocks within every member's context are compared (none for a sequence alone).
-    num_blocks = tl.where(group_size > 1, tl.minimum(tl.cdiv(shared, BLOCK_SIZE), max_blocks), 0)
-    for first in range(0, num_blocks, BLOCK_B):
+    for first in range(0, max_blocks, BLOCK_B):
         blocks = first + tl.arange(0, BLOCK_B)
-        inside = blocks < num_blocks
+        inside = blocks < max_blocks
         mine = tl.load(block_tables_ptr + seq * bt_stride_seq + blocks, mask=inside, other=0)
-        rows = member & row_head_0
+        rows = member & row_head_0 & (tl.full([BLOCK_H], 1, tl.int32) < group_size)
         theirs = tl.load(block_tables_ptr + member_seq[:, None] * bt_stride_seq + blocks[None, :],
                          mask=rows[:, None] & inside[None, :], other=0)
         differ = rows[:, None] & inside[None, :] & (theirs != mine[None, :])
