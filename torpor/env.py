@@ -53,9 +53,6 @@ class Env:
     # reading back the one an earlier start-up with the same model, options, code and GPU measured
     # (engine/profile_cache.py).
     kv_profile_cache: bool = True
-    # TORPOR_DECODE_GROUPS=0: the decode kernel computes every sequence alone instead of reading a prefix that
-    # several sequences share once for all of them (attention/triton_decode.py); the answers are the same.
-    decode_groups: bool = True
 
     @classmethod
     def read(cls) -> Env:
@@ -70,5 +67,4 @@ class Env:
             verify_clean_copies=_choice("TORPOR_VERIFY_CLEAN_COPIES", ("0", "1")) == "1",
             debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
             kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
-            decode_groups=_choice("TORPOR_DECODE_GROUPS", ("1", "0")) == "1",
         )

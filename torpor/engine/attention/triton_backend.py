@@ -8,7 +8,6 @@ import torch
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.attention.torch_backend import causal_attention, gather_context
-from torpor.env import Env
 
 # PyTorch's memory-efficient attention masks "causal from the bottom right" itself (custom_mask_type 2, what
 # torch.nn.attention.bias.causal_lower_right dispatches to; importing that module imports torch._dynamo,
@@ -68,7 +67,6 @@ class TritonAttentionBackend:
         from torpor.engine.attention import triton_decode  # imports triton: GPU engines only
 
         self._decode = triton_decode.paged_decode_attention
-        self._group_prefixes = Env.read().decode_groups
         self.workspace: torch.Tensor | None = None
         self._step_of: weakref.ref | None = None  # weak: the step's tensors must not outlive it
         self._step: _PrefillStep | None = None
@@ -87,7 +85,7 @@ class TritonAttentionBackend:
             return self._prefill(q, k, v, k_cache, v_cache, metadata, scale)
         out = torch.empty_like(q)  # [num_seqs, num_heads, head_dim]
         return self._decode(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale, out,
-                            workspace=self.workspace, group_prefixes=self._group_prefixes)
+                            workspace=self.workspace)
 
     def _prefill(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         step = self._prefill_step(metadata)

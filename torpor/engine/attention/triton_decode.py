@@ -126,7 +126,6 @@ def _decode_split_kernel(
     KEY_BLOCK: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    GROUPS: tl.constexpr,  # NUM_SPLITS == 1 and grouping on
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -139,7 +138,7 @@ def _decode_split_kernel(
     # Rows of the query tile: member slot * QUERIES_PER_KV + query head within this kv head's group.
     slot = offs_h // QUERIES_PER_KV
     q_heads = kv_head * QUERIES_PER_KV + offs_h % QUERIES_PER_KV
-    if GROUPS:  # whole contexts per program: sequences sharing a prefix are computed together
+    if NUM_SPLITS == 1:  # whole contexts per program: sequences sharing a prefix are computed together
         is_leader, member_seq, group_size, prefix_len = _find_group(
             block_tables_ptr, context_lens_ptr, seq, num_seqs, max_blocks, bt_stride_seq, slot,
             offs_h % QUERIES_PER_KV == 0, BLOCK_H // QUERIES_PER_KV, KEY_BLOCK, BLOCK_SIZE, BLOCK_N, BLOCK_H,
@@ -404,7 +403,6 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
-    group_prefixes: bool = True,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache; writes and returns `out`.
 
@@ -413,7 +411,6 @@ def paged_decode_attention(
     (0 gives a zero output). num_splits defaults to num_decode_splits(...). workspace: a flat fp32
     tensor of at least decode_workspace_shape(...) elements; without one, a per-device buffer is
     cached, which must then exist before any CUDA-graph capture (run the shape eagerly first).
-    group_prefixes: with one split, compute sequences sharing prefix blocks together (same results).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -461,7 +458,6 @@ def paged_decode_attention(
         KEY_BLOCK=max(_launch_config(head_dim, q.dtype)["BLOCK_N"] // block_size, 1) - 1,
         SEQ_CHUNK=128,
         BLOCK_B=16,
-        GROUPS=group_prefixes and num_splits == 1,
         DOT_DTYPE=dot_dtype,
         **_launch_config(head_dim, q.dtype),
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
