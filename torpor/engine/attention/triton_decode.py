@@ -5,13 +5,6 @@ context once, for all q heads of that kv head together (grouped-query attention)
 partial output and the log-sum-exp of its scores to a workspace. Phase 2 merges the splits of
 each (sequence, q head) in a fixed order, so results are bit-reproducible (no atomics).
 
-Shared prefixes: with one split per sequence (large batches), sequences whose block tables hold the same
-block early on (the n samples of a GRPO prompt, prompts with a cached prefix in common) are computed by one
-program per kv head, its group's leader: the shared prefix is read once for every member's query rows, then
-each member's own tokens. A row goes through the same chunks in the same order, with the same code and tile
-shape, as when its sequence is alone, so grouping (prefix caching on or off) does not change a bit; the
-group is found inside the kernel from the block tables, so a CUDA graph needs nothing new per step.
-
 The grid and workspace size depend only on static quantities (num_seqs, heads, max_blocks_per_seq,
 SM count); the split of each sequence's actual context is computed inside the kernel. Nothing
 synchronizes with the host, so the whole call can be captured in a CUDA graph.
@@ -32,70 +25,6 @@ _SUPPORTED_DTYPES = tuple(_TL_DTYPES)
 
 
 @triton.jit
-def _find_group(
-    block_tables_ptr,
-    context_lens_ptr,
-    seq,
-    num_seqs,
-    max_blocks,
-    bt_stride_seq,
-    slot,  # [BLOCK_H]: which member of a group each row of the query tile serves
-    row_head_0,  # [BLOCK_H]: the row is its member's first query head
-    GROUP_MAX: tl.constexpr,
-    KEY_BLOCK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SEQ_CHUNK: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    """Sequences whose block tables hold the same block at KEY_BLOCK (the last block of their first BLOCK_N
-    tokens) share those tokens' KV: n samples of one prompt, or prompts with a cached prefix in common. They
-    form groups of at most GROUP_MAX, in batch order. Returns (is_leader, member_seq [BLOCK_H] (each row's
-    sequence), group_size, prefix_len): the leader computes the group, the others do nothing; prefix_len is
-    the shared length (a multiple of BLOCK_N) every member can read from the leader's blocks."""
-    context_len = tl.load(context_lens_ptr + seq)
-    groupable = context_len >= BLOCK_N
-    key_block = tl.minimum(max_blocks - 1, KEY_BLOCK)  # a context of BLOCK_N tokens has this block
-    key = tl.where(groupable, tl.load(block_tables_ptr + seq * bt_stride_seq + key_block), -1)
-    rank = 0  # matches before `seq`
-    count = 0  # matches from `seq` on
-    member_seq = tl.zeros([BLOCK_H], tl.int64) + seq
-    for first in range(0, num_seqs, SEQ_CHUNK):
-        others = first + tl.arange(0, SEQ_CHUNK)
-        present = others < num_seqs
-        other_lens = tl.load(context_lens_ptr + others, mask=present, other=0)
-        candidate = present & (other_lens >= BLOCK_N)
-        other_keys = tl.load(block_tables_ptr + others.to(tl.int64) * bt_stride_seq + key_block, mask=candidate,
-                             other=-1)
-        match = candidate & (other_keys == key) & (other_keys >= 0)  # key is -1 when `seq` is not groupable
-        rank += tl.sum((match & (others < seq)).to(tl.int32), axis=0)
-        later = match & (others >= seq)
-        order = count + tl.cumsum(later.to(tl.int32), axis=0) - 1  # [SEQ_CHUNK]: member slot of each later match
-        hit = later[None, :] & (order[None, :] == slot[:, None])  # [BLOCK_H, SEQ_CHUNK]
-        found = tl.sum(tl.where(hit, others[None, :], 0), axis=1).to(tl.int64)
-        member_seq = tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, found, member_seq)
-        count += tl.sum(later.to(tl.int32), axis=0)
-    is_leader = rank % GROUP_MAX == 0
-    group_size = tl.maximum(tl.minimum(count, GROUP_MAX), 1)
-    member = slot < group_size
-    # The shared prefix: whole blocks equal to the leader's in every member's table, within every context.
-    member_lens = tl.load(context_lens_ptr + member_seq, mask=member, other=0)
-    shared = tl.min(tl.where(member, member_lens, 2147483647), axis=0)
-    for first in range(0, max_blocks, BLOCK_B):
-        blocks = first + tl.arange(0, BLOCK_B)
-        inside = blocks < max_blocks
-        mine = tl.load(block_tables_ptr + seq * bt_stride_seq + blocks, mask=inside, other=0)
-        rows = member & row_head_0 & (tl.full([BLOCK_H], 1, tl.int32) < group_size)
-        theirs = tl.load(block_tables_ptr + member_seq[:, None] * bt_stride_seq + blocks[None, :],
-                         mask=rows[:, None] & inside[None, :], other=0)
-        differ = rows[:, None] & inside[None, :] & (theirs != mine[None, :])
-        shared = tl.minimum(shared, tl.min(tl.where(differ, blocks[None, :] * BLOCK_SIZE, 2147483647)))
-    prefix_len = tl.where(group_size > 1, shared // BLOCK_N * BLOCK_N, 0)
-    return is_leader, member_seq, group_size, prefix_len
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -106,8 +35,6 @@ def _decode_split_kernel(
     partial_out_ptr,
     lse_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
-    num_seqs,
-    max_blocks,
     q_stride_seq,
     q_stride_head,
     cache_stride_block,
@@ -123,92 +50,69 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KEY_BLOCK: tl.constexpr,
-    SEQ_CHUNK: tl.constexpr,
-    BLOCK_B: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    # Each split takes an equal, BLOCK_N-aligned share of this sequence's context; late splits may be empty.
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    # Rows of the query tile: member slot * QUERIES_PER_KV + query head within this kv head's group.
-    slot = offs_h // QUERIES_PER_KV
-    q_heads = kv_head * QUERIES_PER_KV + offs_h % QUERIES_PER_KV
-    if NUM_SPLITS == 1:  # whole contexts per program: sequences sharing a prefix are computed together
-        is_leader, member_seq, group_size, prefix_len = _find_group(
-            block_tables_ptr, context_lens_ptr, seq, num_seqs, max_blocks, bt_stride_seq, slot,
-            offs_h % QUERIES_PER_KV == 0, BLOCK_H // QUERIES_PER_KV, KEY_BLOCK, BLOCK_SIZE, BLOCK_N, BLOCK_H,
-            SEQ_CHUNK, BLOCK_B)
-    else:
-        is_leader = seq >= 0
-        member_seq = tl.zeros([BLOCK_H], tl.int64) + seq
-        group_size = 1
-        prefix_len = 0
-    if is_leader:
-        rows = slot < group_size  # BLOCK_H pads the group up to a tl.dot-friendly size
-        q = tl.load(
-            q_ptr + member_seq[:, None] * q_stride_seq + q_heads[:, None] * q_stride_head + offs_d[None, :],
-            mask=rows[:, None],
-            other=0.0,
-        ).to(DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
-        row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        row_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        # Part -1 is the shared prefix, for every member's rows at once from the leader's blocks (read once);
-        # part j >= 0 is member j's own tokens. Every row goes through the same BLOCK_N chunks, in the same
-        # order, with the same code as when it is computed alone: results do not depend on the grouping.
-        for part in range(-1, group_size):
-            owner = tl.where(part < 0, seq, tl.sum(tl.where(offs_h == part * QUERIES_PER_KV, member_seq, 0), axis=0))
-            context_len = tl.load(context_lens_ptr + owner)
-            # Each split takes an equal, BLOCK_N-aligned share of the context; late splits may be empty.
-            split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            start = tl.where(part < 0, 0, tl.maximum(split * split_len, prefix_len))
-            end = tl.where(part < 0, prefix_len, tl.minimum(split * split_len + split_len, context_len))
-            updated = rows & ((part < 0) | (slot == part))
-            block_table = block_tables_ptr + owner * bt_stride_seq
-            for chunk_start in range(start, end, BLOCK_N):
-                tokens = chunk_start + offs_n  # [BLOCK_N]
-                token_mask = tokens < end
-                blocks = tl.load(block_table + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-                # [BLOCK_N, HEAD_DIM] element offsets of these tokens' K (and V: the caches share strides)
-                in_block = tokens % BLOCK_SIZE
-                kv_offsets = (
-                    blocks[:, None] * cache_stride_block
-                    + in_block[:, None] * cache_stride_token
-                    + kv_head * cache_stride_head
-                    + offs_d[None, :]
-                )
-                k = tl.load(k_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
-                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
-                scores = tl.where(token_mask[None, :], scores, float("-inf"))
-                # Online softmax; every chunk has at least one valid token, so new_max is finite.
-                new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-                probs = tl.exp2(scores - new_max[:, None])
-                rescale = tl.exp2(row_max - new_max)
-                new_sum = row_sum * rescale + tl.sum(probs, axis=1)
-                v = tl.load(v_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
-                new_acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-                row_max = tl.where(updated, new_max, row_max)
-                row_sum = tl.where(updated, new_sum, row_sum)
-                acc = tl.where(updated[:, None], new_acc, acc)
+    head_mask = offs_h < QUERIES_PER_KV  # BLOCK_H pads the group up to a tl.dot-friendly size
+    q_heads = kv_head * QUERIES_PER_KV + offs_h
+    q = tl.load(
+        q_ptr + seq * q_stride_seq + q_heads[:, None] * q_stride_head + offs_d[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
 
-        normalized = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # empty split: zeros, not NaN
-        if NUM_SPLITS == 1:
-            tl.store(
-                out_ptr + member_seq[:, None] * out_stride_seq + q_heads[:, None] * out_stride_head + offs_d[None, :],
-                normalized.to(out_ptr.dtype.element_ty),
-                mask=rows[:, None],
-            )
-        else:
-            workspace_rows = (seq * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [BLOCK_H] rows of the workspace
-            tl.store(partial_out_ptr + workspace_rows[:, None] * HEAD_DIM + offs_d[None, :], normalized,
-                     mask=rows[:, None])
-            # A non-empty split has row_sum >= 1; an empty one has row_max = -inf, hence lse = -inf.
-            tl.store(lse_ptr + workspace_rows, row_max + tl.log2(tl.maximum(row_sum, 1.0)), mask=rows)
+    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    block_table = block_tables_ptr + seq * bt_stride_seq
+    for chunk_start in range(start, end, BLOCK_N):
+        tokens = chunk_start + offs_n  # [BLOCK_N]
+        token_mask = tokens < end
+        blocks = tl.load(block_table + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+        # [BLOCK_N, HEAD_DIM] element offsets of these tokens' K (and V: the caches share strides)
+        in_block = tokens % BLOCK_SIZE
+        kv_offsets = (
+            blocks[:, None] * cache_stride_block
+            + in_block[:, None] * cache_stride_token
+            + kv_head * cache_stride_head
+            + offs_d[None, :]
+        )
+        k = tl.load(k_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        # Online softmax; every chunk has at least one valid token, so new_max is finite.
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    normalized = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # empty split: zeros, not NaN
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + seq * out_stride_seq + q_heads[:, None] * out_stride_head + offs_d[None, :],
+            normalized.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
+    else:
+        rows = (seq * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [BLOCK_H] rows of the workspace
+        tl.store(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], normalized, mask=head_mask[:, None])
+        # A non-empty split has row_sum >= 1; an empty one has row_max = -inf, hence lse = -inf.
+        tl.store(lse_ptr + rows, row_max + tl.log2(tl.maximum(row_sum, 1.0)), mask=head_mask)
 
 
 @triton.jit
@@ -253,13 +157,6 @@ def _launch_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     if dtype == torch.float32:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
-
-
-def _block_h(queries_per_kv: int, num_splits: int) -> int:
-    """Rows of the query tile. With one split per sequence a tile serves a group of sequences sharing a prefix
-    (32 rows: 8 sequences of 4 query heads per kv head), and every sequence uses the same tile size whether
-    it is grouped or not, so its rows are computed by the same code either way."""
-    return max(32 if num_splits == 1 else 16, triton.next_power_of_2(queries_per_kv))
 
 
 @functools.cache
@@ -439,8 +336,6 @@ def paged_decode_attention(
         partial_out,
         lse,
         scale * math.log2(math.e),
-        num_seqs,
-        block_tables.shape[1],
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -454,10 +349,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
-        BLOCK_H=_block_h(queries_per_kv, num_splits),
-        KEY_BLOCK=max(_launch_config(head_dim, q.dtype)["BLOCK_N"] // block_size, 1) - 1,
-        SEQ_CHUNK=128,
-        BLOCK_B=16,
+        BLOCK_H=max(16, triton.next_power_of_2(queries_per_kv)),
         DOT_DTYPE=dot_dtype,
         **_launch_config(head_dim, q.dtype),
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
