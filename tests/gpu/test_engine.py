@@ -1,6 +1,8 @@
 """`LLM` on CUDA: CUDA graphs vs eager, against transformers, memory tags, KV-cache sizing, sleep/wake."""
 
 import gc
+import logging
+import re
 
 import pytest
 import torch
@@ -67,6 +69,16 @@ def test_cuda_graphs_match_eager_exactly(checkpoints, dtype):
     assert eager.engine.model_runner.graphs is None
     expected = summary(eager.generate(prompts(), PARAMS)) + summary(eager.generate(prompts((7,), seed=1), PARAMS[:1]))
     assert with_graphs == expected
+
+
+def test_debug_lines_time_every_graph_capture(checkpoints, caplog):
+    """TORPOR_DEBUG's start-up lines say where the capture phase goes: one line per captured batch size."""
+    with caplog.at_level(logging.DEBUG, logger="torpor.engine"):
+        llm = LLM(str(checkpoints["bfloat16"]), **SMALL)
+    logged = [int(size) for size in re.findall(r"cuda graph batch size (\d+): warm-up [0-9.]+ s, capture [0-9.]+ s",
+                                                  caplog.text)]
+    assert logged == sorted(llm.config.cuda_graph_batch_sizes, reverse=True)  # largest first
+    del llm
 
 
 def test_greedy_matches_transformers_on_gpu(checkpoints):

@@ -16,6 +16,7 @@ from torpor.engine.model_path import resolve_model
 from torpor.engine.models import ModelConfig
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
+from torpor.lazy import collector_paused
 
 Prompt = str | list[int]  # or vLLM's dict prompts: {"prompt": text} / {"prompt_token_ids": [ids]}
 
@@ -44,15 +45,14 @@ class LLM:
     without limit.
     """
 
+    @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,
                  worker_memory_options: dict[int, dict] | None = None, wait_if_asleep: float | None = 0.0,
                  **engine_options) -> None:
-        from torpor.engine.checkpoint import default_model_path
-
         self.wait_if_asleep = _check_wait(wait_if_asleep)
-        path = resolve_model(model) if model is not None else str(default_model_path())
+        path = resolve_model(model) if model is not None else _default_model()
         model_config = ModelConfig.from_pretrained(path)
         unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
         if unknown:
@@ -334,6 +334,13 @@ def _params_list(params, num_prompts: int) -> list[SamplingParams | None]:
             raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")
         return list(params)
     raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+
+def _default_model() -> str:
+    """The embedded tiny model's folder (the checkpoint generator is imported only for it)."""
+    from torpor.engine.checkpoint import default_model_path
+
+    return str(default_model_path())
 
 
 def _check_wait(seconds: float | None) -> float | None:

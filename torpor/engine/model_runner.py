@@ -46,6 +46,7 @@ from torpor.engine.models.config import DTYPES
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
 from torpor.engine.weight_staging import StagingBuffers
+from torpor.lazy import collector_paused
 
 logger = logging.getLogger("torpor.engine")
 
@@ -73,6 +74,7 @@ class ModelRunner:
     """`config.device` must be resolved ("cpu" or "cuda:N"). After construction `self.config` holds the
     number of KV blocks the scheduler may hand out (the scratch block excluded)."""
 
+    @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
     def __init__(self, config: EngineConfig, memory=None) -> None:
         debug_logging()
         self.device = torch.device(config.device)
