@@ -187,8 +187,9 @@ def loader_figures(llm, model: str, device: str) -> dict:
     return dict(checkpoint_gb=nbytes / 1e9, reload=rows, staging_sweep=sweep, level2_wake_reload=wake)
 
 
-# (staging buffers, MiB each) tried by `staging_sweep`; the first is the loader's default (weight_staging.py).
-STAGING_SWEEP = ((8, 128), (16, 64), (16, 128), (32, 32), (12, 128))
+# (staging buffers, MiB each) tried by `staging_sweep`: the loader's default first (weight_staging.py), then
+# its neighbours (half / twice the buffers, twice the size) and the former default, 8 x 128 MiB.
+STAGING_SWEEP = ((32, 32), (16, 64), (64, 16), (32, 64), (8, 128))
 
 
 def staging_sweep(model_module, model: str, device: str, nbytes: int, timed) -> dict:
