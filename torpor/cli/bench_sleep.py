@@ -112,7 +112,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     phases = {"imports": float(values["IMPORTS"])}
     for name, seconds in PHASE_LINE.findall(out.stderr):
         phases[name] = phases.get(name, 0.0) + float(seconds)
-    # The engine's start-up outside the runner's phases: config, tokenizer, MemoryManager, scheduler.
+    # The engine's start-up outside its timed phases: model name and config, generation defaults, the runner's
+    # stream and staging set-up, scheduler, the host-copy reservation's start.
     phases["engine_other"] = float(values["ENGINE"]) - sum(phases.values())
     phases["first_token"] = float(values["FIRST_TOKEN"])
     return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr)

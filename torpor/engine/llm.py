@@ -13,6 +13,7 @@ from torpor.engine.config import DTYPE_ALIASES, EngineConfig
 from torpor.engine.generation_config import generation_defaults
 from torpor.engine.llm_engine import EngineState, LLMEngine
 from torpor.engine.model_path import resolve_model
+from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.models import ModelConfig
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,
                  worker_memory_options: dict[int, dict] | None = None, wait_if_asleep: float | None = 0.0,
                  **engine_options) -> None:
+        debug_logging()
         self.wait_if_asleep = _check_wait(wait_if_asleep)
         path = resolve_model(model) if model is not None else _default_model()
         model_config = ModelConfig.from_pretrained(path)
@@ -59,10 +61,12 @@ class LLM:
             raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
         if engine_options.get("tokenizer") is not None:
             engine_options["tokenizer"] = resolve_model(engine_options["tokenizer"], "tokenizer")
+        with timed_phase("cuda_init"):  # "cuda" resolves to the current device: PyTorch creates the context
+            device = _resolve_device(device)
         config = EngineConfig(
             model=path,
             dtype=_dtype_name(dtype),
-            device=_resolve_device(device),
+            device=device,
             max_model_len=_resolve_max_model_len(max_model_len, model_config),
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -74,7 +78,8 @@ class LLM:
         if memory is None and enable_sleep_mode:
             from torpor.memory import MemoryManager
 
-            memory = MemoryManager(config.device)
+            with timed_phase("memory_manager"):
+                memory = MemoryManager(config.device)
         self.engine = LLMEngine(config, memory, worker_memory_options)
         self.memory = self.engine.memory  # under tensor parallelism: sleep and wake reach every rank
         self.config = self.engine.config

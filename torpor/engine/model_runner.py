@@ -102,12 +102,13 @@ class ModelRunner:
 
     def _start(self, config: EngineConfig) -> None:
         on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            from torpor.engine.attention.triton_backend import TritonAttentionBackend
+        with timed_phase("attention_backend"):  # GPU: imports triton (the decode kernel's)
+            if on_gpu:
+                from torpor.engine.attention.triton_backend import TritonAttentionBackend
 
-            self.backend = TritonAttentionBackend()
-        else:
-            self.backend = TorchAttentionBackend()
+                self.backend = TritonAttentionBackend()
+            else:
+                self.backend = TorchAttentionBackend()
         if on_gpu:
             with self._tag("workspace"):
                 self.engine_stream.make_gemm_workspace()
