@@ -30,3 +30,4 @@ def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
             "first_token"} <= phases.keys()
     assert "staged (torpor)" in result.stdout and "cold start in a new process" in result.stdout
     assert {"imports", "weight_load", "kv_cache_sizing"} <= report["cold_start_phases_profiling"]["phases"].keys()
+    assert report["cold_start_phases"]["graph_capture"] == []  # per batch size on GPU; no graphs on CPU

@@ -2,7 +2,6 @@
 
 import gc
 import logging
-import re
 
 import pytest
 import torch
@@ -72,11 +71,13 @@ def test_cuda_graphs_match_eager_exactly(checkpoints, dtype):
 
 
 def test_debug_lines_time_every_graph_capture(checkpoints, caplog):
-    """TORPOR_DEBUG's start-up lines say where the capture phase goes: one line per captured batch size."""
+    """TORPOR_DEBUG's start-up lines say where the capture phase goes: one line per captured batch size, in
+    the form `torpor bench sleep` reads back."""
+    from torpor.cli.bench_sleep import CAPTURE_LINE
+
     with caplog.at_level(logging.DEBUG, logger="torpor.engine"):
         llm = LLM(str(checkpoints["bfloat16"]), **SMALL)
-    logged = [int(size) for size in re.findall(r"cuda graph batch size (\d+): warm-up [0-9.]+ s, capture [0-9.]+ s",
-                                                  caplog.text)]
+    logged = [int(size) for size, _, _ in CAPTURE_LINE.findall(caplog.text)]
     assert logged == sorted(llm.config.cuda_graph_batch_sizes, reverse=True)  # largest first
     del llm
 

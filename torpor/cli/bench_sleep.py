@@ -85,6 +85,7 @@ def build(model: str, args: argparse.Namespace, **options):
 
 
 PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
+CAPTURE_LINE = re.compile(r"cuda graph batch size (\d+): warm-up ([0-9.]+) s, capture ([0-9.]+) s")
 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True) -> dict:
@@ -116,7 +117,11 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     # stream and staging set-up, scheduler, the host-copy reservation's start.
     phases["engine_other"] = float(values["ENGINE"]) - sum(phases.values())
     phases["first_token"] = float(values["FIRST_TOKEN"])
-    return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr)
+    # Where cuda_graph_capture goes: per batch size (largest first), the eager warm-up and the capture.
+    graphs = [dict(batch_size=int(size), warm_up_s=float(warm), capture_s=float(capture))
+              for size, warm, capture in CAPTURE_LINE.findall(out.stderr)]
+    return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr,
+                graph_capture=graphs)
 
 
 def drop_page_cache(files) -> None:
@@ -521,6 +526,10 @@ def report_loader(r: dict) -> None:
             read_back = "read back" if c.get("kv_profile_read_back") else "measured"
             console.print(f"cold start in a new process, {label}: {c['total_s']:.2f} s (step memory {read_back}); "
                           f"phases (s): {phases}")
+            if c.get("graph_capture"):
+                sizes = ", ".join(f"{g['batch_size']}: {g['warm_up_s']:.3f}+{g['capture_s']:.3f}"
+                                  for g in c["graph_capture"])
+                console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
 
 
 def report(r: dict) -> None:
