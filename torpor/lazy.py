@@ -5,7 +5,10 @@ while torpor imports its modules or builds an engine.
 to a full collection, which walks all of them: ~0.1 s at the first import of torpor's engine (measured on
 CPU, half of that import's time), more with every object a start-up adds (Triton's modules on a GPU).
 Nothing torpor builds at start-up is garbage that only the collector could free, so the collections are
-left to after the start-up (`collector_paused`); they come as usual once it is done.
+left to after the start-up (`collector_paused`); they come as usual once it is done. (An engine dropped just
+before another is built is such garbage — its model's modules and parameters reference each other — and was
+freed during the new start-up only if a full collection happened to run: call `gc.collect()` in between to
+give its memory to the new engine, as before.)
 """
 
 from __future__ import annotations
