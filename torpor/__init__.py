@@ -11,7 +11,6 @@ does not import torch):
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -35,9 +34,9 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'torpor' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    from torpor.lazy import export  # the collector paused while the engine's modules load (lazy.py says why)
+
+    return export("torpor", _EXPORTS, name)
 
 
 def __dir__() -> list[str]:

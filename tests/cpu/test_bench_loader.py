@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from torpor.cli.bench_sleep import STAGING_SWEEP
+
 
 @pytest.mark.slow
 def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
@@ -21,9 +23,11 @@ def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
     assert all(row["seconds"] > 0 and row["gbps"] > 0 for row in loader["reload"].values())
     assert loader["answers_unchanged"] and loader["level2_wake_reload"]["reload_s"] > 0
     sweep = loader["staging_sweep"]  # the staged reload with other buffer sets, to choose the default from
-    assert len(sweep) == 5 and all(row["gbps"] > 0 and row["threads"] >= 1 for row in sweep.values())
+    assert [(row["buffers"], row["mib"]) for row in sweep.values()] == list(STAGING_SWEEP)  # the default first
+    assert all(row["gbps"] > 0 and row["threads"] >= 1 for row in sweep.values())
     phases = report["cold_start_phases"]["phases"]
     assert {"imports", "model_build", "weight_load", "kv_cache_sizing", "kv_cache_allocation", "engine_other",
             "first_token"} <= phases.keys()
     assert "staged (torpor)" in result.stdout and "cold start in a new process" in result.stdout
     assert {"imports", "weight_load", "kv_cache_sizing"} <= report["cold_start_phases_profiling"]["phases"].keys()
+    assert report["cold_start_phases"]["graph_capture"] == []  # per batch size on GPU; no graphs on CPU

@@ -1,6 +1,7 @@
 """`LLM` on CUDA: CUDA graphs vs eager, against transformers, memory tags, KV-cache sizing, sleep/wake."""
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -67,6 +68,18 @@ def test_cuda_graphs_match_eager_exactly(checkpoints, dtype):
     assert eager.engine.model_runner.graphs is None
     expected = summary(eager.generate(prompts(), PARAMS)) + summary(eager.generate(prompts((7,), seed=1), PARAMS[:1]))
     assert with_graphs == expected
+
+
+def test_debug_lines_time_every_graph_capture(checkpoints, caplog):
+    """TORPOR_DEBUG's start-up lines say where the capture phase goes: one line per captured batch size, in
+    the form `torpor bench sleep` reads back."""
+    from torpor.cli.bench_sleep import CAPTURE_LINE
+
+    with caplog.at_level(logging.DEBUG, logger="torpor.engine"):
+        llm = LLM(str(checkpoints["bfloat16"]), **SMALL)
+    logged = [int(size) for size, _, _ in CAPTURE_LINE.findall(caplog.text)]
+    assert logged == sorted(llm.config.cuda_graph_batch_sizes, reverse=True)  # largest first
+    del llm
 
 
 def test_greedy_matches_transformers_on_gpu(checkpoints):

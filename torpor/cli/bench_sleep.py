@@ -85,6 +85,7 @@ def build(model: str, args: argparse.Namespace, **options):
 
 
 PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
+CAPTURE_LINE = re.compile(r"cuda graph batch size (\d+): warm-up ([0-9.]+) s, capture ([0-9.]+) s")
 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True) -> dict:
@@ -112,10 +113,15 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     phases = {"imports": float(values["IMPORTS"])}
     for name, seconds in PHASE_LINE.findall(out.stderr):
         phases[name] = phases.get(name, 0.0) + float(seconds)
-    # The engine's start-up outside the runner's phases: config, tokenizer, MemoryManager, scheduler.
+    # The engine's start-up outside its timed phases: model name and config, generation defaults, the runner's
+    # stream and staging set-up, scheduler, the host-copy reservation's start.
     phases["engine_other"] = float(values["ENGINE"]) - sum(phases.values())
     phases["first_token"] = float(values["FIRST_TOKEN"])
-    return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr)
+    # Where cuda_graph_capture goes: per batch size (largest first), the eager warm-up and the capture.
+    graphs = [dict(batch_size=int(size), warm_up_s=float(warm), capture_s=float(capture))
+              for size, warm, capture in CAPTURE_LINE.findall(out.stderr)]
+    return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr,
+                graph_capture=graphs)
 
 
 def drop_page_cache(files) -> None:
@@ -198,8 +204,9 @@ def level2_wake_reload(llm, files, device: str) -> dict:
     return dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
 
 
-# (staging buffers, MiB each) tried by `staging_sweep`; the first is the loader's default (weight_staging.py).
-STAGING_SWEEP = ((8, 128), (16, 64), (16, 128), (32, 32), (12, 128))
+# (staging buffers, MiB each) tried by `staging_sweep`: the loader's default first (weight_staging.py), then
+# its neighbours (half / twice the buffers, twice the size) and the former default, 8 x 128 MiB.
+STAGING_SWEEP = ((32, 32), (16, 64), (64, 16), (32, 64), (8, 128))
 
 
 def staging_sweep(model_module, model: str, device: str, nbytes: int, timed) -> dict:
@@ -534,6 +541,10 @@ def report_loader(r: dict) -> None:
             read_back = "read back" if c.get("kv_profile_read_back") else "measured"
             console.print(f"cold start in a new process, {label}: {c['total_s']:.2f} s (step memory {read_back}); "
                           f"phases (s): {phases}")
+            if c.get("graph_capture"):
+                sizes = ", ".join(f"{g['batch_size']}: {g['warm_up_s']:.3f}+{g['capture_s']:.3f}"
+                                  for g in c["graph_capture"])
+                console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
 
 
 def report(r: dict) -> None:

@@ -10,7 +10,6 @@ Names are imported lazily: `import torpor.engine` does not import torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {  # name -> module
@@ -37,6 +36,6 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'torpor.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    from torpor.lazy import export  # the collector paused while the engine's modules load (lazy.py says why)
+
+    return export("torpor.engine", _EXPORTS, name)

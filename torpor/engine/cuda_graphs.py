@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 
 import torch
 from torch import nn
 
 from torpor.engine.inputs import DecodeBuffers
+
+logger = logging.getLogger("torpor.engine")
 
 
 def run_decode(model: nn.Module, buffers: DecodeBuffers, batch_size: int, max_context_len: int) -> torch.Tensor:
@@ -29,21 +33,31 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None if memory is not None else torch.cuda.graph_pool_handle()
         for batch_size in sorted(batch_sizes, reverse=True):
+            start = time.perf_counter()
             run_decode(model, buffers, batch_size, max_model_len)  # warm-up: Triton compiles, GEMM plans made
             graph = torch.cuda.CUDAGraph()
             scope = memory.graph_pool("cuda_graph") if memory is not None else contextlib.nullcontext(pool)
             with scope as graph_pool:
                 torch.cuda.synchronize()
+                warmed = time.perf_counter()
                 # Captured on the current (the engine's) stream, not through torch.cuda.graph(): that
                 # makes a default capture stream, i.e. PyTorch's whole stream pool, whatever stream it is given.
                 graph.capture_begin(pool=graph_pool)
                 try:
                     run_decode(model, buffers, batch_size, max_model_len)
                 finally:
-                    graph.capture_end()
+                    graph.capture_end()  # also instantiates the graph
             self.graphs[batch_size] = graph
+            _log_capture(batch_size, warmed - start, time.perf_counter() - warmed)
         torch.cuda.synchronize()
 
     def replay(self, buffers: DecodeBuffers, batch_size: int) -> torch.Tensor:
         self.graphs[batch_size].replay()
         return buffers.hidden[:batch_size]
+
+
+def _log_capture(batch_size: int, warm_up_s: float, capture_s: float) -> None:
+    """TORPOR_DEBUG=1: where the capture phase's time goes, per batch size. The warm-up (an eager step, until
+    the device finished it) of the first, largest size also carries the start-up's first uses: Triton's
+    kernels loaded from its cache, cuBLASLt's plans (when the KV sizing was read back, no step ran before)."""
+    logger.debug("cuda graph batch size %d: warm-up %.3f s, capture %.3f s", batch_size, warm_up_s, capture_s)

@@ -13,9 +13,11 @@ from torpor.engine.config import DTYPE_ALIASES, EngineConfig
 from torpor.engine.generation_config import generation_defaults
 from torpor.engine.llm_engine import EngineState, LLMEngine
 from torpor.engine.model_path import resolve_model
+from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.models import ModelConfig
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
+from torpor.lazy import collector_paused
 
 Prompt = str | list[int]  # or vLLM's dict prompts: {"prompt": text} / {"prompt_token_ids": [ids]}
 
@@ -44,25 +46,27 @@ class LLM:
     without limit.
     """
 
+    @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,
                  worker_memory_options: dict[int, dict] | None = None, wait_if_asleep: float | None = 0.0,
                  **engine_options) -> None:
-        from torpor.engine.checkpoint import default_model_path
-
+        debug_logging()
         self.wait_if_asleep = _check_wait(wait_if_asleep)
-        path = resolve_model(model) if model is not None else str(default_model_path())
+        path = resolve_model(model) if model is not None else _default_model()
         model_config = ModelConfig.from_pretrained(path)
         unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
         if unknown:
             raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
         if engine_options.get("tokenizer") is not None:
             engine_options["tokenizer"] = resolve_model(engine_options["tokenizer"], "tokenizer")
+        with timed_phase("cuda_init"):  # "cuda" resolves to the current device: PyTorch creates the context
+            device = _resolve_device(device)
         config = EngineConfig(
             model=path,
             dtype=_dtype_name(dtype),
-            device=_resolve_device(device),
+            device=device,
             max_model_len=_resolve_max_model_len(max_model_len, model_config),
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -74,7 +78,8 @@ class LLM:
         if memory is None and enable_sleep_mode:
             from torpor.memory import MemoryManager
 
-            memory = MemoryManager(config.device)
+            with timed_phase("memory_manager"):
+                memory = MemoryManager(config.device)
         self.engine = LLMEngine(config, memory, worker_memory_options)
         self.memory = self.engine.memory  # under tensor parallelism: sleep and wake reach every rank
         self.config = self.engine.config
@@ -334,6 +339,13 @@ def _params_list(params, num_prompts: int) -> list[SamplingParams | None]:
             raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")
         return list(params)
     raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+
+def _default_model() -> str:
+    """The embedded tiny model's folder (the checkpoint generator is imported only for it)."""
+    from torpor.engine.checkpoint import default_model_path
+
+    return str(default_model_path())
 
 
 def _check_wait(seconds: float | None) -> float | None:

@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from torpor.engine.config import EngineConfig
-from torpor.engine.model_runner import ModelRunner
+from torpor.engine.model_runner import ModelRunner, debug_logging, timed_phase
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import Sequence
 from torpor.engine.sleep_mode import LEVELS, SleepMode, WakeResult
 from torpor.engine.tokenizer import OutputText, Tokenizer
+from torpor.lazy import collector_paused
 from torpor.memory import CheckpointError, CheckpointUnsupportedError, Report
 
 logger = logging.getLogger("torpor.engine")
@@ -102,9 +103,12 @@ WEIGHTS_INVALID = ("the weights are invalid: a reload or update failed after wri
 class LLMEngine:
     """Tokenizer, scheduler and model runner; detokenizes outputs, applies stop strings, sleeps and wakes."""
 
+    @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
     def __init__(self, config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None) -> None:
         """`worker_memory_options` (tensor parallel only): rank -> MemoryManager kwargs of that worker."""
-        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+        debug_logging()
+        with timed_phase("tokenizer"):
+            self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
         if config.tensor_parallel_size > 1:
             from torpor.engine.parallel_runner import ParallelModelRunner
 

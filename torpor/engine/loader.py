@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from torpor.engine.models.layers.loading import default_weight_loader, recording_copies
@@ -479,6 +478,8 @@ def _check_complete(params: dict, loaded: set, packed: dict) -> None:
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one at a time (never all in memory).
     Every header is checked first; a file the safetensors library still rejects raises CheckpointError."""
+    from safetensors import SafetensorError, safe_open  # the plain path's only: the staged one reads the files itself
+
     root = Path(path)
     for file in checkpoint_files(root):
         label = file.relative_to(root).as_posix()

@@ -47,6 +47,7 @@ from torpor.engine.phase_times import phase
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
 from torpor.engine.weight_staging import StagingBuffers
+from torpor.lazy import collector_paused
 
 logger = logging.getLogger("torpor.engine")
 
@@ -74,6 +75,7 @@ class ModelRunner:
     """`config.device` must be resolved ("cpu" or "cuda:N"). After construction `self.config` holds the
     number of KV blocks the scheduler may hand out (the scratch block excluded)."""
 
+    @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
     def __init__(self, config: EngineConfig, memory=None) -> None:
         debug_logging()
         self.device = torch.device(config.device)
@@ -101,12 +103,13 @@ class ModelRunner:
 
     def _start(self, config: EngineConfig) -> None:
         on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            from torpor.engine.attention.triton_backend import TritonAttentionBackend
+        with timed_phase("attention_backend"):  # GPU: imports triton (the decode kernel's)
+            if on_gpu:
+                from torpor.engine.attention.triton_backend import TritonAttentionBackend
 
-            self.backend = TritonAttentionBackend()
-        else:
-            self.backend = TorchAttentionBackend()
+                self.backend = TritonAttentionBackend()
+            else:
+                self.backend = TorchAttentionBackend()
         if on_gpu:
             with self._tag("workspace"):
                 self.engine_stream.make_gemm_workspace()

@@ -2,7 +2,7 @@
 
 The plan (loader.plan_checkpoint) says which elements of which checkpoint tensor go to which parameter
 view. Here every copy becomes byte ranges ("pieces") of its file; a contiguous copy is split into pieces
-of at most one buffer, so a 1.2 GB embedding streams through 128 MiB buffers. Pieces are packed in file
+of at most one buffer, so a 1.2 GB embedding streams through 32 MiB buffers. Pieces are packed in file
 order into batches (one `preadv` of one contiguous file range each). Up to `count` batches are read at
 once by a thread pool (reads release the GIL) into the `count` staging buffers, while the engine's
 stream copies finished batches into the parameters asynchronously (`copy_(non_blocking=True)` from
@@ -33,8 +33,11 @@ from torpor.memory.host_buffer import HostBuffer
 
 logger = logging.getLogger("torpor.engine")
 
-BUFFER_BYTES = 128 << 20  # CUDA: 8 x 128 MiB pinned, kept (pinning costs ~50 ms per GiB)
-BUFFER_COUNT = 8
+# CUDA: 32 x 32 MiB pinned (1 GiB), kept (pinning costs ~50 ms per GiB); reader threads: min(32, cores). The best
+# of the H200 sweep (bench sleep's STAGING_SWEEP, qwen3-8b, page cache warm, docs/weights.md): 30.1 GB/s with 16
+# threads, 8 x 128 MiB (8 threads) 23-25.5 GB/s.
+BUFFER_BYTES = 32 << 20
+BUFFER_COUNT = 32
 CPU_BUFFER_BYTES = 32 << 20  # CPU: 4 x 32 MiB plain memory per load (fresh pages cost a fault each)
 CPU_BUFFER_COUNT = 4
 MAX_GAP_BYTES = 1 << 20  # bytes not needed between two pieces that a batch reads through rather than split
