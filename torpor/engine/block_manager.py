@@ -167,6 +167,23 @@ class BlockManager:
         missing = self._missing_blocks(seq)
         return missing <= 0 or missing <= len(self._free)
 
+    def append_all(self, seqs: list[Sequence]) -> bool:
+        """`may_append` of every one of `seqs`, in order, when the free blocks suffice for all of them (True);
+        else nothing (False: the caller checks them one by one and preempts). A decode step's common case in one
+        pass: only the sequences whose last token crossed into a new block, or that filled a block to register,
+        have anything to do (the same calls in the same order as one `may_append` per sequence)."""
+        size = self.block_size
+        if self.enable_prefix_caching:
+            busy = [seq for seq in seqs if (n := len(seq.token_ids)) > size * len(seq.block_table)
+                    or n // size > seq.num_registered_blocks]
+        else:
+            busy = [seq for seq in seqs if len(seq.token_ids) > size * len(seq.block_table)]
+        if sum(max(self._missing_blocks(seq), 0) for seq in busy) > len(self._free):
+            return False
+        for seq in busy:
+            self.may_append(seq)
+        return True
+
     def may_append(self, seq: Sequence) -> None:
         """Add a block to `seq` if its last token crossed into a new block; register blocks this step fills.
         (Called for every running sequence every decode step: the common case, nothing to do, is kept cheap.)"""
