@@ -198,17 +198,18 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Let go of `seq`'s blocks (each is freed when no other sequence holds it) and clear its cache state."""
+        seq_id, holders_of, free = seq.seq_id, self._holders, self._free
         for block_id in seq.block_table:  # check all first, so a bad call changes nothing
-            if seq.seq_id not in self._holders[block_id]:
+            if seq_id not in holders_of[block_id]:
                 raise RuntimeError(f"{seq.request_id!r} frees block {block_id}, which it does not hold "
-                                   f"(holders: {sorted(self._holders[block_id])})")
+                                   f"(holders: {sorted(holders_of[block_id])})")
         # Tail first: the LRU order then evicts a prefix's tail before its head.
         table = reversed(seq.block_table) if self.enable_prefix_caching else seq.block_table
         for block_id in table:
-            holders = self._holders[block_id]
-            holders.discard(seq.seq_id)
+            holders = holders_of[block_id]
+            holders.discard(seq_id)
             if not holders:
-                self._free[block_id] = None
+                free[block_id] = None
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from torpor.engine.block_manager import BlockManager
 from torpor.engine.config import EngineConfig
 from torpor.engine.outputs import FinishReason, TokenLogprobs
-from torpor.engine.sequence import Sequence, SequenceStatus
+from torpor.engine.sequence import FINISHED, Sequence, SequenceStatus
 
 
 def _arrival(seq: Sequence) -> int:
@@ -230,7 +230,7 @@ class Scheduler:
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs or itertools.repeat(None, len(seqs)),
                                                  strict=True):
-            if seq.status is SequenceStatus.FINISHED:  # aborted while its step ran: drop the token
+            if seq.status is FINISHED:  # aborted while its step ran: drop the token
                 continue
             seq.append_token(token_id, token_logprobs)
             # One cheap test that every stop condition passes (most tokens stop nothing), then the exact one.
