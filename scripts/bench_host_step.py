@@ -13,6 +13,11 @@ On CPU the sampler's operators compute as they are called; on CUDA they are laun
 measured apart: the same sampler on [num_seqs, 16] logits (operators of negligible work: what remains is Python
 and dispatch, about what a GPU's launches cost). `host, on a GPU` adds that to the Python phases.
 
+On a GPU not all of it makes the device wait: the sampler (its inputs and its launches) runs after the graph
+replay and the LM head are launched, so the host does it while the device computes the forward. What the device
+waits for, `host, exposed`, is the rest: from the sampled tokens' `.tolist()` to the next replay (postprocess,
+outputs, generate's loop, step, schedule, decode inputs, the runner's own code).
+
     python scripts/bench_host_step.py --prompts 64 --prompt-len 512 --output-len 32
 """
 
@@ -184,9 +189,9 @@ def main() -> None:
             if phases is None or host_ms(run) < host_ms(phases):
                 phases = run
     total = sum(v for k, v in phases.items() if k != "sampler host")
-    print(f"[{args.clock} clock] {args.prompts} prompts x {n} samples = {args.prompts * n} sequences, prompt {args.prompt_len} tokens, "
-          f"{recorder.num_decode_steps} decode steps: {total:.2f} ms per decode step in all (the tiny model's "
-          f"forward included); ms per decode step, by phase (own time):")
+    print(f"[{args.clock} clock] {args.prompts} prompts x {n} samples = {args.prompts * n} sequences, prompt "
+          f"{args.prompt_len} tokens, {recorder.num_decode_steps} decode steps: {total:.2f} ms per decode step in all "
+          f"(the tiny model's forward included); ms per decode step, by phase (own time):")
     for phase, ms in phases.items():
         note = " (device work on a GPU)" if phase in DEVICE else ""
         if phase == "sampler host":
@@ -195,6 +200,9 @@ def main() -> None:
     host = host_ms(phases) - phases["sampler host"]
     print(f"  {'host, Python':15s} {host:7.3f} (every phase but the device work)")
     print(f"  {'host, on a GPU':15s} {host + phases['sampler host']:7.3f} (with the sampler's host cost)")
+    behind = phases["sampler inputs"] + phases["sampler host"]
+    print(f"  {'host, exposed':15s} {host + phases['sampler host'] - behind:7.3f} (the device waits: all but the "
+          f"sampler's {behind:.3f}, done behind the forward)")
 
 
 if __name__ == "__main__":
