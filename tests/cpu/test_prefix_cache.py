@@ -328,6 +328,8 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
     assert result["transformers"]["output_tokens"] == 3 * 4
     profile = result["cached"]["profile"]  # where the time goes: the top operators (kernels on a GPU)
     assert profile["busy_s"] > 0 and len(profile["top"]) == 20 and profile["top"][0]["ms"] > 0
+    steps = result["cached"]["decode_steps"]  # wall time per decode step; the device's needs CUDA events
+    assert steps["steps"] == 3 and steps["wall_ms"] > 0 and steps["device_ms"] is None
 
 
 # ---- randomized stress: the real engine, a small KV cache, mixed requests and aborts ----------------------

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  engine, prefix caching {'on ' if caching else 'off'}: {row['tokens_per_s']:.0f} output tok/s "
               f"({row['output_tokens']} tokens in {row['seconds']:.2f} s), prefix-cache hit rate "
               f"{row['hit_rate']:.1%}, prompt tokens computed {row['computed_prompt_tokens']}")
+        print(f"    {DecodeStepTimer.describe(row['decode_steps'])}")
     result["caching_speedup"] = result["cached"]["tokens_per_s"] / result["uncached"]["tokens_per_s"]
     print(f"  prefix caching: {result['caching_speedup']:.2f}x (goal >= 1.5x)")
     if args.hf_prompts:
@@ -101,7 +102,8 @@ def bench_engine(path: Path, device: torch.device, prompts: list[list[int]], arg
     before = llm.engine.prefix_cache_stats()
     _sync(device)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    with DecodeStepTimer(llm, device) as timer:
+        outputs = llm.generate(prompts, params)
     _sync(device)
     seconds = time.perf_counter() - start
     stats = llm.engine.prefix_cache_stats()
@@ -115,11 +117,77 @@ def bench_engine(path: Path, device: torch.device, prompts: list[list[int]], arg
     total_prompt = len(prompts) * args.n * args.prompt_len
     row = dict(output_tokens=num_tokens, seconds=seconds, tokens_per_s=num_tokens / seconds,
                hit_rate=hits / queries if queries else 0.0, computed_prompt_tokens=total_prompt - hits,
-               num_kv_blocks=llm.config.num_kv_blocks, **({"profile": profile} if profile else {}))
+               num_kv_blocks=llm.config.num_kv_blocks, decode_steps=timer.result(),
+               **({"profile": profile} if profile else {}))
     llm.close()
     del llm, outputs
     _release(device)
     return row
+
+
+class DecodeStepTimer:
+    """Wall time per decode step against the device's time per step, without the profiler: while in use, each
+    decode step records two CUDA events, one after its inputs are loaded (the GPU is idle then: the previous step
+    ended by syncing on its tokens) and one once its tokens are on the host. Their interval is the device's
+    work (plus the sampler's launches, which run ahead of it); the wall time from one step's start to the next's,
+    less that, is what the GPU waits for the host. One synchronization, in `result`. On CPU: wall time only."""
+
+    def __init__(self, llm, device: torch.device) -> None:
+        self.engine, self.on_cuda = llm.engine, device.type == "cuda"
+        runner = self.engine.model_runner
+        self.runner, self.local = runner, getattr(runner, "local", runner)  # tensor parallel: rank 0's runner
+        self.starts: list[float] = []        # perf_counter at the start of every step
+        self.decode: list[int] = []          # indices of the decode steps among them
+        self.events: list[tuple] = []        # (start, end) CUDA events of each decode step
+
+    def __enter__(self) -> DecodeStepTimer:
+        step, run, load = self.engine.step, self.runner.run, self.local.buffers.load
+
+        def timed_step():
+            self.starts.append(time.perf_counter())
+            return step()
+
+        def timed_load(seqs, batch_size):
+            result = load(seqs, batch_size)
+            self.decode.append(len(self.starts) - 1)  # only decode steps load the decode buffers
+            if self.on_cuda:
+                self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                self.events[-1][0].record()  # on the engine's stream (the runner's scope is current)
+            return result
+
+        def timed_run(seqs, is_prefill):
+            result = run(seqs, is_prefill)
+            if self.on_cuda and not is_prefill:
+                self.events[-1][1].record(self.local.engine_stream.stream)
+            return result
+
+        self.engine.step, self.runner.run, self.local.buffers.load = timed_step, timed_run, timed_load
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name in ((self.engine, "step"), (self.runner, "run"), (self.local.buffers, "load")):
+            delattr(obj, name)  # the instance attribute goes: the method is back
+
+    def result(self) -> dict:
+        """Milliseconds per decode step: `wall_ms` (start to the next step's start), `device_ms` (None on CPU)."""
+        periods = [self.starts[i + 1] - self.starts[i] for i in self.decode if i + 1 < len(self.starts)]
+        device_ms = None
+        if self.on_cuda and self.events:
+            torch.cuda.synchronize()
+            device_ms = sum(start.elapsed_time(end) for start, end in self.events) / len(self.events)
+        return dict(steps=len(self.decode), wall_ms=sum(periods) / len(periods) * 1e3 if periods else None,
+                    device_ms=device_ms)
+
+    @staticmethod
+    def describe(steps: dict) -> str:
+        wall, device = steps["wall_ms"], steps["device_ms"]
+        if wall is None:
+            return "decode steps: none timed"
+        if device is None:
+            return f"decode steps: {wall:.2f} ms wall per step ({steps['steps']} steps; device time needs CUDA)"
+        return (f"decode steps: {wall:.2f} ms wall per step, {device:.2f} ms on the device (CUDA events, "
+                f"{steps['steps']} steps): the device waits {wall - device:.2f} ms per step for the host "
+                f"({(wall - device) / wall:.0%})")
 
 
 def profile_generate(llm, prompts: list[list[int]], params: list, device: torch.device, top: int = 20) -> dict:

@@ -167,6 +167,23 @@ class BlockManager:
         missing = self._missing_blocks(seq)
         return missing <= 0 or missing <= len(self._free)
 
+    def append_all(self, seqs: list[Sequence]) -> bool:
+        """`may_append` of every one of `seqs`, in order, when the free blocks suffice for all of them (True);
+        else nothing (False: the caller checks them one by one and preempts). A decode step's common case in one
+        pass: only the sequences whose last token crossed into a new block, or that filled a block to register,
+        have anything to do (the same calls in the same order as one `may_append` per sequence)."""
+        size = self.block_size
+        if self.enable_prefix_caching:
+            busy = [seq for seq in seqs if (n := len(seq.token_ids)) > size * len(seq.block_table)
+                    or n // size > seq.num_registered_blocks]
+        else:
+            busy = [seq for seq in seqs if len(seq.token_ids) > size * len(seq.block_table)]
+        if sum(max(self._missing_blocks(seq), 0) for seq in busy) > len(self._free):
+            return False
+        for seq in busy:
+            self.may_append(seq)
+        return True
+
     def may_append(self, seq: Sequence) -> None:
         """Add a block to `seq` if its last token crossed into a new block; register blocks this step fills.
         (Called for every running sequence every decode step: the common case, nothing to do, is kept cheap.)"""
@@ -181,17 +198,18 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Let go of `seq`'s blocks (each is freed when no other sequence holds it) and clear its cache state."""
+        seq_id, holders_of, free = seq.seq_id, self._holders, self._free
         for block_id in seq.block_table:  # check all first, so a bad call changes nothing
-            if seq.seq_id not in self._holders[block_id]:
+            if seq_id not in holders_of[block_id]:
                 raise RuntimeError(f"{seq.request_id!r} frees block {block_id}, which it does not hold "
-                                   f"(holders: {sorted(self._holders[block_id])})")
+                                   f"(holders: {sorted(holders_of[block_id])})")
         # Tail first: the LRU order then evicts a prefix's tail before its head.
         table = reversed(seq.block_table) if self.enable_prefix_caching else seq.block_table
         for block_id in table:
-            holders = self._holders[block_id]
-            holders.discard(seq.seq_id)
+            holders = holders_of[block_id]
+            holders.discard(seq_id)
             if not holders:
-                self._free[block_id] = None
+                free[block_id] = None
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0

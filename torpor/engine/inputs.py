@@ -4,6 +4,7 @@ that CUDA graphs read at fixed addresses."""
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.sequence import Sequence
+
+_LAST = operator.itemgetter(-1)
 
 
 @dataclass
@@ -87,33 +90,41 @@ class DecodeBuffers:
         self._host_tokens = self.tokens.cpu().pin_memory() if self._on_device else self.tokens
         self._host_lens_tables = self.lens_tables.cpu().pin_memory() if self._on_device else self.lens_tables
         self._host_block_tables = self._host_lens_tables[max_num_seqs:].view(max_num_seqs, max_blocks_per_seq)
+        # numpy views of the host side (written in place, no tensor made per step)
+        self._host_tokens_np = self._host_tokens.numpy()
+        self._host_lens_np = self._host_lens_tables[:max_num_seqs].numpy()
+        self._host_tables_np = self._host_block_tables.numpy()
+        self._table_rows = BlockTableRows(max_num_seqs, max_blocks_per_seq, scratch_block)
 
     def load(self, seqs: list[Sequence], batch_size: int) -> int:
-        """Copy the decode inputs of `seqs` into rows [0, batch_size); returns the longest context."""
-        block_size, scratch, pad = self.block_size, self.scratch_block, batch_size - len(seqs)
-        token_rows: list[list[int]] = [[], [], []]
-        context_lens: list[int] = []
-        for seq in seqs:
-            position = len(seq) - 1
-            token_rows[0].append(seq.last_token_id)
-            token_rows[1].append(position)
-            token_rows[2].append(seq.block_table[position // block_size] * block_size + position % block_size)
-            context_lens.append(len(seq))
-        token_rows[0] += [0] * pad
-        token_rows[1] += [0] * pad
-        token_rows[2] += [scratch * block_size] * pad
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [scratch] * (width - len(seq.block_table)) for seq in seqs]
-        tables += [[scratch] * width] * pad
-        # numpy builds these from lists ~3x faster than torch.tensor (host time between two decode steps)
-        self._host_tokens[:, :batch_size] = torch.from_numpy(np.array(token_rows, dtype=np.int64))
-        self._host_lens_tables[:batch_size] = torch.from_numpy(np.array(context_lens + [0] * pad, dtype=np.int32))
-        self._host_block_tables[:batch_size, :width] = torch.from_numpy(np.array(tables, dtype=np.int32))
+        """Copy the decode inputs of `seqs` into rows [0, batch_size); returns the longest context.
+        (Vectorized: this runs between two decode steps, while the GPU waits.)"""
+        num_seqs, block_size, scratch = len(seqs), self.block_size, self.scratch_block
+        if isinstance(seqs[0], Sequence):  # read the token lists: no Python call per sequence
+            token_lists = [seq.token_ids for seq in seqs]
+            lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)
+            last_tokens = list(map(_LAST, token_lists))
+        else:  # a tensor-parallel worker's views (step_batch.StepSequence)
+            lens = np.fromiter([len(seq) for seq in seqs], dtype=np.int64, count=num_seqs)
+            last_tokens = [seq.last_token_id for seq in seqs]
+        positions = lens - 1
+        rows, width = self._table_rows.update(seqs)
+        tables = self._host_tables_np[:batch_size, :width]
+        tables[:num_seqs] = self._table_rows.rows[rows, :width]
+        tables[num_seqs:] = scratch
+        tokens = self._host_tokens_np[:, :batch_size]
+        tokens[0, :num_seqs] = last_tokens
+        tokens[1, :num_seqs] = positions
+        blocks = tables[np.arange(num_seqs), positions // block_size].astype(np.int64)
+        tokens[2, :num_seqs] = blocks * block_size + positions % block_size
+        tokens[:, num_seqs:] = ((0,), (0,), (scratch * block_size,))
+        self._host_lens_np[:num_seqs] = lens
+        self._host_lens_np[num_seqs:batch_size] = 0
         if self._on_device:
             self.tokens.copy_(self._host_tokens, non_blocking=True)  # whole (contiguous), a few KB
             self.lens_tables[:batch_size].copy_(self._host_lens_tables[:batch_size], non_blocking=True)
             self.block_tables[:batch_size].copy_(self._host_block_tables[:batch_size], non_blocking=True)
-        return max(context_lens)
+        return int(lens.max())
 
     def inputs(self, batch_size: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) views of the first `batch_size` rows."""
@@ -126,3 +137,64 @@ class DecodeBuffers:
             max_context_len=max_context_len,
         )
         return self.tokens[0, :batch_size], self.tokens[1, :batch_size], metadata
+
+
+class BlockTableRows:
+    """The block tables of the running sequences, kept on the host between decode steps: each table has a
+    row (its blocks, then the scratch block) written as it grows, so a step copies only the blocks added
+    since the last one instead of rebuilding every table (~40 blocks x 512 sequences per step).
+
+    A row belongs to one `block_table` list (by identity; the row keeps it referenced, so its id stays
+    unique): the block manager only appends to a table (`may_append`) or gives the sequence a new list
+    (allocate, fork, deallocate), never changes an entry in place. So a row is up to date while it holds as
+    many entries as its list, and a sequence with a new list gets a new row. Rows of lists no longer in the
+    batch are freed whenever the batch's membership changes."""
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int) -> None:
+        self.scratch_block = scratch_block
+        self.rows = np.full((max_num_seqs, max_blocks_per_seq), scratch_block, dtype=np.int32)
+        self._row_of: dict[int, int] = {}                   # id(block table list) -> its row
+        self._table: list[list[int] | None] = [None] * max_num_seqs  # the list a row copies
+        self._written = [0] * max_num_seqs                  # entries of it written
+        self._free = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: lowest rows first
+
+    def update(self, seqs: list) -> tuple[list[int], int]:
+        """Bring the rows of `seqs`' block tables up to date; returns their rows and the longest table's length.
+        (map over C functions: no Python call per sequence in the common step, where nothing changed.)"""
+        tables = [seq.block_table for seq in seqs]
+        row_of = self._row_of
+        rows = list(map(row_of.get, map(id, tables)))
+        if len(row_of) != len(tables) or None in rows:  # the batch's membership changed
+            rows = self._assign(tables)
+        lengths = list(map(len, tables))
+        written = list(map(self._written.__getitem__, rows))
+        if lengths != written:
+            self._write(tables, rows, written)
+        return rows, max(lengths)
+
+    def _assign(self, tables: list[list[int]]) -> list[int]:
+        """Free the rows of lists not in `tables`, give a row to each new one; returns the rows of `tables`."""
+        batch = set(map(id, tables))
+        freed = [self._row_of.pop(key) for key in [key for key in self._row_of if key not in batch]]
+        for row in freed:
+            self._table[row], self._written[row] = None, 0
+        self.rows[freed] = self.scratch_block
+        self._free += freed
+        for table in tables:
+            if id(table) not in self._row_of:
+                row = self._row_of[id(table)] = self._free.pop()
+                self._table[row] = table
+        return [self._row_of[id(table)] for table in tables]
+
+    def _write(self, tables: list[list[int]], rows: list[int], written: list[int]) -> None:
+        """Write the entries each row lacks, in one scatter."""
+        row_ids: list[int] = []
+        columns: list[int] = []
+        values: list[int] = []
+        for table, row, start in zip(tables, rows, written, strict=True):
+            if len(table) != start:
+                row_ids += [row] * (len(table) - start)
+                columns += range(start, len(table))
+                values += table[start:]
+                self._written[row] = len(table)
+        self.rows[row_ids, columns] = values

@@ -20,7 +20,7 @@ from torpor.engine.model_runner import ModelRunner, debug_logging, timed_phase
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
 from torpor.engine.scheduler import Scheduler
-from torpor.engine.sequence import Sequence
+from torpor.engine.sequence import FINISHED, Sequence
 from torpor.engine.sleep_mode import LEVELS, SleepMode, WakeResult
 from torpor.engine.tokenizer import OutputText, Tokenizer
 from torpor.lazy import collector_paused
@@ -84,6 +84,12 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.samples)
+
+    @property
+    def incremental(self) -> bool:
+        """Whether its texts are detokenized as tokens come (streamed, or stop strings): the samples share
+        their options, so all are or none is."""
+        return self.texts[0].incremental
 
 
 def _text_token_ids(seq: Sequence) -> list[int]:
@@ -251,29 +257,39 @@ class LLMEngine:
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Detokenize what `seqs` gained, end those that reached a stop string, and snapshot the finished
-        and the streamed ones."""
-        touched: dict[str, _Request] = {}  # the requests this step advanced, in batch order
+        and the streamed ones. (Per-request work, not per-sequence, where it can be: a request's samples
+        share its text options, and only one with a sample finished now can have finished.)"""
+        requests = self._requests
+        touched = {}  # the requests this step advanced, in batch order (aborted ones, gone, left out)
+        for request_id in dict.fromkeys([seq.request_id for seq in seqs]):
+            request = requests.get(request_id)
+            if request is not None:
+                touched[request_id] = request
+        if any(request.incremental for request in touched.values()):
+            self._update_texts(seqs, touched)
+        finished_now = {seq.request_id for seq in seqs if seq.status is FINISHED}
+        outputs = []
+        for request_id, request in touched.items():
+            if request_id in finished_now and request.finished:
+                del requests[request_id]
+                outputs.append(self._output(request))
+            elif request.stream:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _update_texts(self, seqs: list[Sequence], touched: dict[str, _Request]) -> None:
+        """Detokenize the new tokens of the incremental texts, in batch order; a stop string ends its sample."""
         for seq in seqs:
-            request = self._requests.get(seq.request_id)
-            if request is None:  # aborted while its step ran
+            request = touched.get(seq.request_id)
+            if request is None or not request.incremental:
                 continue
-            text = request.texts[seq.index]
             # (only incremental texts read the tokens: the slice is not made for the others, every step)
-            stop = text.update(_text_token_ids(seq)) if text.incremental else None
+            stop = request.texts[seq.index].update(_text_token_ids(seq))
             if stop is not None:
                 if seq.is_finished:  # ended by this token anyway (eos, length): the stop string names it
                     seq.finish_reason, seq.stop_reason = "stop", stop
                 else:
                     self.scheduler.finish(seq, "stop", stop)
-            touched[seq.request_id] = request
-        outputs = []
-        for request_id, request in touched.items():
-            if request.finished:
-                del self._requests[request_id]
-                outputs.append(self._output(request))
-            elif request.stream:
-                outputs.append(self._output(request))
-        return outputs
 
     @staticmethod
     def _output(request: _Request) -> RequestOutput:

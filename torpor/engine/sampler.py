@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from torpor.engine.outputs import TokenLogprobs
+from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -76,9 +77,37 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
 def random_bits_batch(seeds: list[int], steps: list[int]) -> list[int]:
     """`random_bits(seed, step)` of every pair at once (one decode step's batch: 512 pairs in ~30 us
     instead of ~0.5 ms one by one)."""
-    seed_array = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
-    mixed = _splitmix64_array(_splitmix64_array(seed_array) ^ np.array(steps, dtype=np.uint64))
-    return (mixed >> np.uint64(64 - _RANDOM_BITS)).tolist()
+    return random_bits_mixed(mixed_seeds(seeds), steps).tolist()
+
+
+def mixed_seeds(seeds: list[int]) -> np.ndarray:
+    """The seed half of `random_bits`: splitmix64 of each seed (mod 2^64), as uint64 (kept across steps)."""
+    return _splitmix64_array(np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64))
+
+
+def random_bits_mixed(mixed: np.ndarray, steps: list[int]) -> np.ndarray:
+    """`random_bits(seed, step)` of every pair, from `mixed_seeds(seeds)`: uint64 in [0, 2^52)."""
+    return _splitmix64_array(mixed ^ np.array(steps, dtype=np.uint64)) >> np.uint64(64 - _RANDOM_BITS)
+
+
+class BatchParams:
+    """The per-batch facts the sampler reads from the sampling params of a batch (row i: sequence i)."""
+
+    def __init__(self, params: list[SamplingParams], vocab_size: int) -> None:
+        self.params, self.vocab_size = params, vocab_size
+        self.needs_logits_processing = any(p.needs_logits_processing for p in params)
+        self.num_greedy = sum(p.is_greedy for p in params)
+        self.logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self.use_min_p = any(p.min_p > 0 for p in params)
+        self.filters = [p.needs_filter for p in params]
+        # The sampling inputs that do not change between steps; row 3 (the random bits) is filled per step.
+        self.rows = np.array([
+            [1.0 if p.is_greedy else p.temperature for p in params],  # greedy rows are discarded
+            [p.top_p for p in params],
+            [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
+            [0.0] * len(params),
+            [p.min_p for p in params],
+        ], dtype=np.float64)
 
 
 @dataclass
@@ -102,6 +131,10 @@ class Sampler:
         self._inputs = torch.zeros(5, max_num_seqs, dtype=torch.float64, device=self.device)
         self._staging = torch.zeros(5, max_num_seqs, dtype=torch.float64,
                                     pin_memory=self.device.type == "cuda")
+        self._staging_np = self._staging.numpy()  # written in place: no array or tensor made per step
+        self._batch: BatchParams | None = None     # the last batch's params, reused while they stay the same
+        self._seeds: list[int | None] = []         # the last batch's seeds, and their first splitmix64 round
+        self._mixed_seeds = np.zeros(0, dtype=np.uint64)
         self.history = TokenHistory(max_num_seqs, max_model_len, self.device)
 
     @staticmethod
@@ -117,16 +150,20 @@ class Sampler:
                              f"{logits.dtype} {list(logits.shape)}")
         if num_seqs > self._inputs.shape[1]:
             raise ValueError(f"{num_seqs} sequences exceed max_num_seqs ({self._inputs.shape[1]})")
-        params = [seq.sampling_params for seq in seqs]
+        batch = self._batch_params(seqs, logits.shape[1])
+        params = batch.params
         raw_logits = logits  # logprobs are those of the model's own distribution
-        if any(p.needs_logits_processing for p in params):
+        if batch.needs_logits_processing:
             logits = self._process_logits(logits, seqs)
-        token_ids = logits.argmax(dim=-1)                                   # [num_seqs]
-        if not all(p.is_greedy for p in params):
-            sampled = self._sample(logits, seqs)
+        if batch.num_greedy == num_seqs:
+            token_ids = logits.argmax(dim=-1)                               # [num_seqs]
+        elif batch.num_greedy == 0:  # (torch.where over no greedy row would pick these unchanged)
+            token_ids = self._sample(logits, seqs, batch)
+        else:
+            sampled = self._sample(logits, seqs, batch)
             is_greedy = torch.tensor([p.is_greedy for p in params]).to(logits.device, non_blocking=True)
-            token_ids = torch.where(is_greedy, token_ids, sampled)
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+            token_ids = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        logprob_rows = batch.logprob_rows
         logprobs: list[TokenLogprobs | None] = [None] * num_seqs
         if logprob_rows:
             num_top = [params[i].logprobs for i in logprob_rows]
@@ -183,28 +220,34 @@ class Sampler:
         x = x - values[2][:, None] * (output_counts > 0).float()
         logits.index_copy_(0, index, x)
 
-    def _load_inputs(self, seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
-        """Per-sequence sampling inputs as a [5, num_seqs] float64 device tensor."""
-        unseeded = next((seq for seq in seqs if seq.sampling_seed is None), None)
-        if unseeded is not None:
-            raise ValueError(f"request {unseeded.request_id!r} has no sampling seed; Scheduler.add assigns one")
+    def _batch_params(self, seqs: list[Sequence], vocab_size: int) -> BatchParams:
+        """What the sampler needs of the batch's sampling params, kept while the batch's params stay the same
+        (consecutive decode steps of the same requests: one list comparison instead of a pass per property)."""
         params = [seq.sampling_params for seq in seqs]
-        rows = [
-            [1.0 if p.is_greedy else p.temperature for p in params],  # greedy rows are discarded
-            [p.top_p for p in params],
-            [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
-            random_bits_batch([seq.sampling_seed for seq in seqs], [seq.num_output_tokens for seq in seqs]),
-            [p.min_p for p in params],
-        ]
+        cached = self._batch
+        if cached is None or cached.vocab_size != vocab_size or cached.params != params:
+            cached = self._batch = BatchParams(params, vocab_size)
+        return cached
+
+    def _load_inputs(self, seqs: list[Sequence], batch: BatchParams) -> torch.Tensor:
+        """Per-sequence sampling inputs as a [5, num_seqs] float64 device tensor."""
+        seeds = [seq.sampling_seed for seq in seqs]
+        if seeds != self._seeds:
+            if None in seeds:
+                unseeded = seqs[seeds.index(None)]
+                raise ValueError(f"request {unseeded.request_id!r} has no sampling seed; Scheduler.add assigns one")
+            self._seeds, self._mixed_seeds = seeds, mixed_seeds(seeds)
+        steps = [len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs]  # output tokens so far
         n = len(seqs)
-        self._staging[:, :n].copy_(torch.from_numpy(np.array(rows, dtype=np.float64)))
+        staging = self._staging_np[:, :n]
+        staging[:] = batch.rows
+        staging[3] = random_bits_mixed(self._mixed_seeds, steps)  # < 2^52: exact in float64
         return self._inputs[:, :n].copy_(self._staging[:, :n], non_blocking=True)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> torch.Tensor:
         """Temperature, min_p, top-k, top-p, then an inverse-CDF draw; [num_seqs] int64 token ids."""
-        inputs = self._load_inputs(seqs, logits.shape[1])
-        use_min_p = any(seq.sampling_params.min_p > 0 for seq in seqs)
-        filters = [seq.sampling_params.needs_filter for seq in seqs]
+        inputs = self._load_inputs(seqs, batch)
+        use_min_p, filters = batch.use_min_p, batch.filters
         if all(filters) or not any(filters):
             return self._draw(logits, inputs, filters[0], use_min_p)
         # A row's draw must not depend on its neighbours: rows that filter walk the vocabulary sorted by

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from torpor.engine.block_manager import BlockManager
 from torpor.engine.config import EngineConfig
 from torpor.engine.outputs import FinishReason, TokenLogprobs
-from torpor.engine.sequence import Sequence, SequenceStatus
+from torpor.engine.sequence import FINISHED, Sequence, SequenceStatus
 
 
 def _arrival(seq: Sequence) -> int:
@@ -185,9 +185,11 @@ class Scheduler:
         return self._start(child)
 
     def _schedule_decode(self) -> list[Sequence]:
+        bm, running = self.block_manager, self.running
+        if bm.append_all(running):  # blocks for every one: no preemption (most steps)
+            return list(running)
         # Oldest first: a sequence that needs a block takes it from the newest ones.
         scheduled: list[Sequence] = []
-        bm, running = self.block_manager, self.running
         while len(scheduled) < len(running):
             seq = running[len(scheduled)]
             if not bm.can_append(seq):
@@ -225,14 +227,20 @@ class Scheduler:
             raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} tokens / "
                              f"{None if logprobs is None else len(logprobs)} logprobs")
         finished = []
-        for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
-            if seq.is_finished:  # aborted while its step ran: drop the token
+        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
+        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs or itertools.repeat(None, len(seqs)),
+                                                 strict=True):
+            if seq.status is FINISHED:  # aborted while its step ran: drop the token
                 continue
-            seq.append_token(token_id, None if logprobs is None else logprobs[i])
-            reason, stop_reason = self._check_stop(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason, stop_reason)
-                finished.append(seq)
+            seq.append_token(token_id, token_logprobs)
+            # One cheap test that every stop condition passes (most tokens stop nothing), then the exact one.
+            params, n = seq.sampling_params, len(seq.token_ids)
+            if (token_id in eos or token_id in params.stop_token_ids or n >= max_model_len
+                    or n - seq.num_prompt_tokens >= params.max_tokens):
+                reason, stop_reason = self._check_stop(seq, token_id)
+                if reason is not None:
+                    self.finish(seq, reason, stop_reason)
+                    finished.append(seq)
         return finished
 
     def _check_stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:

@@ -28,6 +28,10 @@ class SequenceStatus(Enum):
     FINISHED = auto()   # done; blocks returned
 
 
+# (A module constant: reading an Enum member through its class costs a metaclass lookup, per sequence per step.)
+FINISHED = SequenceStatus.FINISHED
+
+
 class Sequence:
     """A request being served.
 
@@ -117,7 +121,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is FINISHED
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record a sampled token; every token computed so far is now in the KV cache."""
