@@ -237,7 +237,7 @@ class Sampler:
                 unseeded = seqs[seeds.index(None)]
                 raise ValueError(f"request {unseeded.request_id!r} has no sampling seed; Scheduler.add assigns one")
             self._seeds, self._mixed_seeds = seeds, mixed_seeds(seeds)
-        steps = [len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs]  # output tokens so far
+        steps = [seq.num_output_tokens for seq in seqs]
         n = len(seqs)
         staging = self._staging_np[:, :n]
         staging[:] = batch.rows

@@ -227,20 +227,15 @@ class Scheduler:
             raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} tokens / "
                              f"{None if logprobs is None else len(logprobs)} logprobs")
         finished = []
-        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs or itertools.repeat(None, len(seqs)),
                                                  strict=True):
             if seq.status is FINISHED:  # aborted while its step ran: drop the token
                 continue
             seq.append_token(token_id, token_logprobs)
-            # One cheap test that every stop condition passes (most tokens stop nothing), then the exact one.
-            params, n = seq.sampling_params, len(seq.token_ids)
-            if (token_id in eos or token_id in params.stop_token_ids or n >= max_model_len
-                    or n - seq.num_prompt_tokens >= params.max_tokens):
-                reason, stop_reason = self._check_stop(seq, token_id)
-                if reason is not None:
-                    self.finish(seq, reason, stop_reason)
-                    finished.append(seq)
+            reason, stop_reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason, stop_reason)
+                finished.append(seq)
         return finished
 
     def _check_stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
