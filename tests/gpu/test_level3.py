@@ -96,29 +96,6 @@ def test_level3_releases_everything_and_a_full_wake_is_bit_exact(llm, requests, 
     assert not differences(reference, run_round(llm, requests))
 
 
-def _copies(llm, tag: str):
-    return [s.backup for s in llm.engine.memory._backend.of_tag(tag) if s.backup is not None]
-
-
-def test_level3_leaves_the_host_copies_unpinned_and_a_wake_pins_them_again(llm, requests, reference):
-    """The driver's restore would re-pin every registered host byte serially: torpor unpins its registered
-    copies before the checkpoint and pins them again on threads during the wake, beside the refills."""
-    llm.sleep(3)
-    copies = _copies(llm, "weights")
-    registered = [b for b in copies if b.can_unpin]
-    assert registered and sum(b.size for b in registered) > 0.9 * sum(b.size for b in copies)
-    assert not any(b._pin.registered for b in registered)  # unpinned while checkpointed
-    llm.wake_up(["weights"])
-    for buffer in registered:
-        buffer.wait_pinned()
-    assert all(b._pin.registered for b in registered)
-    from torpor.memory import cuda_driver as driver
-    with pytest.raises(driver.CudaDriverError):  # already registered: the driver refuses a second time
-        driver.host_register(registered[0].ptr, registered[0].size)
-    llm.wake_up(["kv_cache"])
-    assert not differences(reference, run_round(llm, requests))
-
-
 def test_level3_wake_weights_then_kv_cache(llm, requests, reference):
     llm.sleep(3)
     first = llm.wake_up(["weights"])  # the context comes back first, then the tags

@@ -408,38 +408,6 @@ def test_a_dropped_registered_buffer_is_unregistered_before_its_memory_is_unmapp
         again.free()
 
 
-def test_host_copies_unpinned_and_pinned_again_keep_their_bytes():
-    """Around a context checkpoint the backend unpins its registered host copies and pins them again on
-    threads (the level-3 wake); the bytes survive, sleeps and wakes in between copy correctly, and a buffer
-    freed while its registration is in flight is given back cleanly."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from torpor.memory import cuda_driver
-    from torpor.memory.host_buffer import HostBuffer
-
-    mm = MemoryManager("cuda")
-    with mm.tag("w"):
-        w = torch.randn(16 << 20, device="cuda")  # 64 MiB: a registered copy
-    ref = w.clone()
-    mm.sleep({"w": "offload"})
-    backend = mm._backend
-    assert backend.unpin_host_copies() >= 64 << 20
-    copy = backend.of_tag("w")[0].backup
-    assert copy.can_unpin and not copy._pin.registered
-    backend.pin_host_copies(["w"])
-    mm.wake()  # waits for the copy's registration before refilling from it
-    assert copy._pin.registered and torch.equal(w, ref)
-    mm.sleep({"w": "offload"})
-    mm.wake()
-    assert torch.equal(w, ref)
-    mm.close()
-    with ThreadPoolExecutor(1, initializer=cuda_driver.make_primary_context_current, initargs=(0,)) as pool:
-        buffer = HostBuffer.allocate(32 << 20, "pinned")
-        buffer.unpin()
-        buffer.pin_later(pool)
-        buffer.free()  # waits for the registration, then unregisters and unmaps
-
-
 def test_a_background_reservation_pins_outside_the_locks_the_engine_takes(monkeypatch):
     """While the background reservation pins a segment's copy, the owner can still open tag scopes and make
     new segments (every step of an engine does): the pin holds neither the manager's nor the store's lock.

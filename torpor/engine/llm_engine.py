@@ -426,10 +426,9 @@ class LLMEngine:
         sleep_mode.after_sleep(level, context_released=True)
         self._sync_scheduler()
 
-    def _restore_context(self, first: list[str] | None = None) -> None:
-        """Restore the checkpointed context (before any tag is touched; the host copies of the tags `first` are
-        pinned again first). On failure it stays checkpointed."""
-        self.memory.restore_context(first=first or ())
+    def _restore_context(self) -> None:
+        """Restore the checkpointed context (before any tag is touched). On failure it stays checkpointed."""
+        self.memory.restore_context()
         self.sleep_mode.context_released = False
 
     @property
@@ -456,7 +455,7 @@ class LLMEngine:
         targets = sleep_mode.wake_targets(tags)
         try:
             if sleep_mode.context_released:
-                self._restore_context(targets)  # the context first, then the tags
+                self._restore_context()  # the context first, then the tags
             report = self.memory.wake(targets)
             if "weights" in targets:
                 self.memory.mark_clean("weights")  # unwritten since the wake: the next level-1 sleep keeps the copy

@@ -55,9 +55,6 @@ COPY_CHUNK_BYTES = 64 << 20
 # serve to start a refill's copies early, and each piece costs a cuMemCreate + cuMemMap + cuMemSetAccess
 # (H200, 32 GiB mapped: 64 MiB pieces 0.032 s, 1 GiB pieces 0.005 s; scripts/probe_map_pieces.py, run 5).
 ZERO_FILL_PIECE_BYTES = 1 << 30
-# Threads that unpin the host copies before a context checkpoint and pin them again after it (each
-# cuMemHostRegister pins at ~50 GiB/s on an H200 host; the wake's refills run at ~55 GB/s beside them).
-PIN_THREADS = 4
 
 # Every store that owns segments, so `audit` can tell "another manager's tag" from "no tag".
 _STORES: list[CudaBackend] = []
@@ -103,7 +100,6 @@ class CudaBackend(SegmentStore):
         # H200): a discarding sleep hands its old host copies to this thread and returns at once.
         self._host_freer = ThreadPoolExecutor(1, thread_name_prefix="torpor-host-free")
         self._host_frees: list[Future] = []
-        self._pin_pool: ThreadPoolExecutor | None = None  # unpins and re-pins host copies around a checkpoint
         with _STORES_LOCK:
             _STORES.append(self)
 
@@ -230,34 +226,6 @@ class CudaBackend(SegmentStore):
         buffer.free()  # the segment went, or a sleep made its copy meanwhile
         return 0
 
-    # ---- host copies around a context checkpoint --------------------------------------
-    def unpin_host_copies(self) -> int:
-        """Unregister every host copy that is a registered mmap (before a context checkpoint, whose restore
-        would otherwise re-pin them serially); their bytes stay. Returns the bytes unpinned."""
-        with self.lock:
-            buffers = [s.backup for s in self.segments.values() if s.backup is not None and s.backup.can_unpin]
-        return sum(self._pinner().map(HostBuffer.unpin, buffers))
-
-    def pin_host_copies(self, first: list[str] | None = None) -> None:
-        """Register the unpinned host copies again, on threads, those of the tags `first` (in that order)
-        before the rest: a wake waits for each segment's copy just before refilling it, so pinning overlaps
-        the refills."""
-        first = first or []
-        with self.lock:
-            ordered = [s for t in first for s in self.of_tag(t)]
-            ordered += [s for s in self.segments.values() if s.tag not in first]
-            buffers = [s.backup for s in ordered if s.backup is not None and s.backup.can_unpin]
-        for buffer in buffers:
-            buffer.pin_later(self._pinner())
-
-    def _pinner(self) -> ThreadPoolExecutor:
-        if self._pin_pool is None:
-            index = self.device_index
-            self._pin_pool = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="torpor-pin-copies",
-                                                initializer=cuda_driver.make_primary_context_current,
-                                                initargs=(index,))
-        return self._pin_pool
-
     def backup_size(self, segment: Segment) -> int:
         return segment.backup.size
 
@@ -281,7 +249,6 @@ class CudaBackend(SegmentStore):
         # as soon as its copy is done while later copies still run.
         stream = self._stream_handle()
         for seg in segments:
-            seg.backup.wait_pinned()
             for offset, size in _chunks(seg.size):
                 cuda_driver.copy_d2h(seg.backup.ptr + offset, seg.address + offset, size, stream)
             if seg.copied is None:
@@ -305,8 +272,6 @@ class CudaBackend(SegmentStore):
         piece = self.piece_bytes or segment.size
         if not segment.holds_copy:  # nothing to copy, so nothing to start early: few, large pieces
             piece = max(piece, self.vm.round_up(ZERO_FILL_PIECE_BYTES))
-        else:
-            segment.backup.wait_pinned()  # pinned again on threads after a context restore
         for offset in range(0, segment.size, piece):
             size = min(piece, segment.size - offset)
             try:
@@ -334,7 +299,6 @@ class CudaBackend(SegmentStore):
         return staging.raw
 
     def _read_copy(self, segment: Segment, offset: int, size: int) -> bytes:
-        segment.backup.wait_pinned()
         return ctypes.string_at(segment.backup.ptr + offset, size)
 
     # ---- readings ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 
@@ -26,22 +26,8 @@ from torpor.memory import checkpoint, cuda_driver
 from torpor.memory.cuda_driver import CudaDriverError
 
 HOST_BACKUPS = ("pinned", "pageable")
-# Below this, cuMemHostAlloc: the 2 MiB alignment over-maps up to 2 MiB of address space (never touched, so no
-# memory), and a registered mmap is what a level-3 checkpoint can leave out (`HostBuffer.unpin`); 8 MiB keeps the
-# small pools' 2 MiB segments on cuMemHostAlloc and every weight matrix of a 7-8B model on registered mmaps.
-REGISTER_MIN_BYTES = 8 << 20
+REGISTER_MIN_BYTES = 64 << 20  # below this the huge-page alignment would cost more than pinning saves
 _HUGE_PAGE = 2 << 20
-
-
-class _Pin:
-    """Whether a registered buffer is pinned right now. Before a level-3 checkpoint the big host copies are
-    unregistered (the driver's restore re-pins every registered byte itself, serially: +0.25 s for 16 GiB on
-    an H200, scripts/probe_checkpoint_pinned.py) and registered again after it, on threads, each just before
-    its copy is needed (`HostBuffer.pin_later` / `wait_pinned`): the pinning then overlaps the wake's copies."""
-
-    def __init__(self, registered: bool) -> None:
-        self.registered = registered  # cuMemHostRegister holds the pages now
-        self.pending: Future | None = None  # a registration in flight
 
 
 @dataclass(eq=False)
@@ -55,11 +41,10 @@ class HostBuffer:
     size: int
     kind: str
     _mmap: mmap.mmap | None = None
-    _registered: bool = False  # an mmap pinned by cuMemHostRegister (else, when pinned, cuMemHostAlloc's)
+    _registered: bool = False  # pinned by cuMemHostRegister (else cuMemHostAlloc)
 
     def __post_init__(self) -> None:
-        self._pin = _Pin(self._registered)
-        self._finalizer = weakref.finalize(self, _release, self.ptr, self.kind, self._mmap, self._pin)
+        self._finalizer = weakref.finalize(self, _release, self.ptr, self.kind, self._mmap, self._registered)
         self._finalizer.atexit = False  # at exit the process gives everything back (and may be checkpointed)
 
     @classmethod
@@ -92,69 +77,27 @@ class HostBuffer:
             return None
         return cls(ptr, size, "pinned", m, _registered=True)
 
-    @property
-    def can_unpin(self) -> bool:
-        """A registered mmap (not cuMemHostAlloc's memory): it can be unpinned and pinned again in place."""
-        return self._registered
-
-    def unpin(self) -> int:
-        """Unregister a registered buffer, keeping its bytes (it copies like pageable memory until pinned
-        again); the bytes unpinned (0 where nothing was). Needs the device's context current."""
-        self.wait_pinned()
-        if not (self._registered and self._pin.registered):
-            return 0
-        cuda_driver.host_unregister(self.ptr)
-        self._pin.registered = False
-        return self.size
-
-    def pin_later(self, executor: Executor) -> None:
-        """Register an unpinned buffer on `executor` (whose threads have the context current); a use of the
-        buffer calls `wait_pinned` first."""
-        if self._registered and not self._pin.registered and self._pin.pending is None:
-            self._pin.pending = executor.submit(_pin_again, self.ptr, self.size, self._pin)
-
-    def wait_pinned(self) -> None:
-        """Wait for a registration `pin_later` started. A refused one leaves the buffer pageable (its copies
-        are then staged by the driver: slower, equally correct)."""
-        pending = self._pin.pending
-        if pending is not None:
-            pending.result()
-            self._pin.pending = None
-
     def free(self) -> None:
         self._finalizer.detach()
-        _release(self.ptr, self.kind, self._mmap, self._pin)
+        _release(self.ptr, self.kind, self._mmap, self._registered)
         self.ptr = 0
-
-
-def _pin_again(ptr: int, size: int, pin: _Pin) -> None:
-    try:
-        cuda_driver.host_register(ptr, size)
-    except CudaDriverError:
-        return  # stays pageable (see wait_pinned)
-    pin.registered = True
 
 
 _KEPT: list[mmap.mmap] = []  # registered memory collected while the context was checkpointed: never unmapped
 
 
-def _release(ptr: int, kind: str, m: mmap.mmap | None, pin: _Pin) -> None:
+def _release(ptr: int, kind: str, m: mmap.mmap | None, registered: bool) -> None:
     """Unpin (unregister, or free what cuMemHostAlloc gave), then unmap: in that order. While the CUDA context
-    is checkpointed no driver call may be made: pinned memory is then kept (a leak, not a stale mapping); an
-    unpinned mmap needs no driver call and is unmapped."""
-    if pin.pending is not None:
-        pin.pending.result()
-        pin.pending = None
-    if kind == "pinned" and m is None:  # cuMemHostAlloc's
-        if not checkpoint.is_checkpointed():
-            cuda_driver.host_free_pinned(ptr)
-        return
-    if pin.registered:
-        if checkpoint.is_checkpointed():
+    is checkpointed no driver call may be made: pinned memory is then kept (a leak, not a stale mapping)."""
+    if kind == "pinned" and checkpoint.is_checkpointed():
+        if m is not None:
             _KEPT.append(m)
-            return
+        return
+    if kind == "pinned" and not registered:
+        cuda_driver.host_free_pinned(ptr)
+        return
+    if registered:
         cuda_driver.host_unregister(ptr)
-        pin.registered = False
     m.close()
 
 

@@ -209,9 +209,9 @@ class MemoryManager:
         has no room, WakeError is raised, nothing stays half-mapped and the call can be retried.
         If this process's CUDA context is checkpointed (`checkpoint_context`), it is restored first."""
         start = time.perf_counter()
-        names = list(self._states) if tags is None else self._check_tags(tags)
-        self.restore_context(first=names)
+        self.restore_context()
         with self._lock, self._on_device():
+            names = list(self._states) if tags is None else self._check_tags(tags)
             plan = {t: self._actions[t] for t in names if self._states[t] is TagState.ASLEEP}
             reports = self._backend.wake(plan) if plan else []
             for tag in plan:
@@ -298,26 +298,15 @@ class MemoryManager:
             self.usage()  # refresh the readings given while checkpointed
             self._last_device_used = self._backend.device_used_bytes()
             self._backend.quiesce()
-            # The driver's restore re-pins every pinned host byte serially (+0.25 s for 16 GiB on an H200):
-            # the host copies are unpinned first and pinned again on threads after the restore, beside the refills.
-            self._backend.unpin_host_copies()
-            try:
-                return checkpoint.checkpoint_process(lock_timeout_s=lock_timeout_s, timeout_s=timeout_s)
-            except BaseException:
-                if not checkpoint.is_checkpointed():
-                    self._backend.pin_host_copies()
-                raise
+            return checkpoint.checkpoint_process(lock_timeout_s=lock_timeout_s, timeout_s=timeout_s)
 
-    def restore_context(self, timeout_s: float = 300.0, first: Iterable[str] = ()) -> CheckpointReport | None:
+    def restore_context(self, timeout_s: float = 300.0) -> CheckpointReport | None:
         """Restore this process's checkpointed CUDA context (None when it is not checkpointed). The device
-        must have the memory the checkpoint held: if not, CheckpointError and it stays checkpointed. The host
-        copies are then pinned again in the background, those of the tags `first` first."""
+        must have the memory the checkpoint held: if not, CheckpointError and it stays checkpointed."""
         if not checkpoint.is_checkpointed():
             return None
         with self._lock:
-            report = checkpoint.restore_process(timeout_s)
-            self._backend.pin_host_copies(list(first))
-            return report
+            return checkpoint.restore_process(timeout_s)
 
     def is_context_checkpointed(self) -> bool:
         """Whether this process's CUDA context is checkpointed (a local flag: no CUDA call)."""
