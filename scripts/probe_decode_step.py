@@ -4,6 +4,7 @@
     python scripts/probe_decode_step.py --part dot-rows     # is a tl.dot row's result independent of its tile?
     python scripts/probe_decode_step.py --part sweep        # the decode kernel's launch configs, GRPO layout
     python scripts/probe_decode_step.py --part ipc          # CUDA IPC open / copy / close per 512 MiB bucket
+    python scripts/probe_decode_step.py --part prefix       # the shared-prefix decode kernel against the plain one
     python scripts/probe_decode_step.py --part profile --model DIR   # one late decode step, GRPO shape, by kernel
 
 The GRPO layout: 64 prompts of 512 tokens, n = 8 samples each sharing the prompt's blocks (prefix caching) or
@@ -171,6 +172,61 @@ def part_sweep() -> None:
                       f"({kv_bytes / ms / 1e9:6.0f} GB/s logical, {default / ms:.2f}x the default)")
 
 
+def part_prefix() -> None:
+    """GRPO layout (64 prompts x 512 tokens, n = 8, 1..256 own tokens): the kernel reading each shared prefix
+    once per group against every sequence reading its whole context (the plain kernel), prefix caching's layout
+    (shared blocks) and caching off's (copies), bit-identity of the two, tile rows and prefix splits."""
+    import random
+
+    from triton.testing import do_bench
+
+    from torpor.engine.attention import triton_decode as td
+    from torpor.engine.attention.reference import paged_decode_attention_reference
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from references import shared_prefix_decode_inputs
+
+    rng = random.Random(0)
+    groups = [(512, [rng.randint(1, 256) for _ in range(8)]) for _ in range(64)]
+    for heads in ((32, 8), (16, 8)):
+        for rows in (32, 64):
+            td._PREFIX_ROWS = rows
+            members = td.max_group_members(*heads)
+            cases = {shared: shared_prefix_decode_inputs(
+                groups, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=128, block_size=16,
+                dtype=torch.bfloat16, shared=shared, device="cuda", max_group_members=members)
+                for shared in (True, False)}
+            unique = {shared: sum(int(c[1].shape[0]) for c in [cases[shared]]) * 16 * heads[1] * 128 * 4
+                      for shared in cases}
+            print(f"heads {heads}, prefix tile {rows} rows ({members} members): K/V blocks held "
+                  f"{unique[True] / 1e6:.0f} MB shared, {unique[False] / 1e6:.0f} MB as copies")
+            for shared, (q, kc, vc, bt, lens, prefixes) in cases.items():
+                out = torch.empty_like(q)
+                layout = "shared " if shared else "copies "
+                if rows == 32:
+                    ms = do_bench(lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, out=out: td.paged_decode_attention(
+                        q, kc, vc, bt, lens, 0.088, out), return_mode="median")
+                    print(f"  {layout} plain kernel:                {ms * 1e3:7.1f} us")
+                for splits in (1, 2, 4):
+                    def call(q=q, kc=kc, vc=vc, bt=bt, lens=lens, out=out, prefixes=prefixes, splits=splits):
+                        td.paged_decode_attention(q, kc, vc, bt, lens, 0.088, out, prefixes=prefixes,
+                                                  num_prefix_splits_=splits)
+                    ms = do_bench(call, return_mode="median")
+                    print(f"  {layout} prefixes, {splits} prefix split(s): {ms * 1e3:7.1f} us")
+            outs = []
+            for q, kc, vc, bt, lens, prefixes in cases.values():
+                out = torch.empty_like(q)
+                td.paged_decode_attention(q, kc, vc, bt, lens, 0.088, out, prefixes=prefixes)
+                outs.append(out)
+            ref = paged_decode_attention_reference(*cases[True][:5], 0.088)
+            error = ((outs[0].float() - ref).abs().max() / ref.abs().max()).item()
+            print(f"  shared == copies bit for bit: {torch.equal(outs[0], outs[1])}; error vs fp32 reference "
+                  f"{error:.2e}")
+            del cases, outs
+            torch.cuda.empty_cache()
+    td._PREFIX_ROWS = 32
+
+
 def _ipc_sender(conn, num: int, nbytes: int) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -251,7 +307,7 @@ def part_profile(model: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", action="append", required=True,
-                        choices=["imports", "dot-rows", "sweep", "ipc", "profile"])
+                        choices=["imports", "dot-rows", "sweep", "ipc", "profile", "prefix"])
     parser.add_argument("--model", action="append", default=[])
     args = parser.parse_args()
     for part in args.part:
@@ -260,7 +316,8 @@ def main() -> None:
             for model in args.model:
                 part_profile(model)
         else:
-            {"imports": part_imports, "dot-rows": part_dot_rows, "sweep": part_sweep, "ipc": part_ipc}[part]()
+            {"imports": part_imports, "dot-rows": part_dot_rows, "sweep": part_sweep, "ipc": part_ipc,
+             "prefix": part_prefix}[part]()
 
 
 if __name__ == "__main__":

@@ -111,3 +111,81 @@ def random_paged_decode_inputs(
     )
     context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
     return qkv[:, :num_q_heads], kv[:, 0], kv[:, 1], block_tables, context_lens_t
+
+
+def shared_prefix_decode_inputs(
+    groups: list[tuple[int, list[int]]],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    shared: bool,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    num_padding: int = 0,
+    max_group_members: int = 8,
+):
+    """Decode inputs of sequences with shared prompt prefixes, as prefix caching lays them out (`shared`:
+    the samples of a prompt hold the same prefix blocks) or as it does not (each holds its own copy of the same
+    K/V). `groups`: (prefix_len, own lengths of its samples) per prompt; prefix_len a multiple of block_size
+    (0: no prefix). `num_padding` rows of context 0 follow (CUDA-graph padding). The same seed gives the same
+    queries and K/V values in both layouts. Returns (q, k_cache, v_cache, block_tables, context_lens, prefixes)
+    with `prefixes` a triton_decode.DecodePrefixes: the samples of a prompt in groups of at most
+    `max_group_members` when `shared`, every sequence alone otherwise."""
+    from torpor.engine.attention.triton_decode import DecodePrefixes
+
+    gen = torch.Generator().manual_seed(seed)
+    prefix_values, own_values, tables, prefix_lens, context_lens, members = [], [], [], [], [], []
+    shape = (block_size, num_kv_heads, head_dim)
+    next_block = 0
+    for prefix_len, own_lens in groups:
+        num_prefix_blocks = prefix_len // block_size
+        values = torch.randn(num_prefix_blocks, 2, *shape, generator=gen)
+        base = list(range(next_block, next_block + num_prefix_blocks))
+        if shared:
+            prefix_values.append((base, values))
+            next_block += num_prefix_blocks
+        chunk: list[int] = []
+        for own in own_lens:
+            if not shared:
+                base = list(range(next_block, next_block + num_prefix_blocks))
+                prefix_values.append((base, values))
+                next_block += num_prefix_blocks
+            num_own_blocks = -(-own // block_size)
+            own_blocks = list(range(next_block, next_block + num_own_blocks))
+            next_block += num_own_blocks
+            own_values.append((own_blocks, torch.randn(num_own_blocks, 2, *shape, generator=gen)))
+            tables.append(base + own_blocks)
+            prefix_lens.append(prefix_len)
+            context_lens.append(prefix_len + own)
+            if shared and prefix_len and len(chunk) < max_group_members:
+                chunk.append(len(tables) - 1)
+            else:
+                if chunk:
+                    members.append(chunk)
+                chunk = [len(tables) - 1]
+        members.append(chunk)
+    for _ in range(num_padding):
+        tables.append([])
+        prefix_lens.append(0)
+        context_lens.append(0)
+        members.append([len(tables) - 1])
+    kv = torch.zeros(next_block + 1, 2, *shape)
+    for blocks, values in prefix_values + own_values:
+        if blocks:
+            kv[torch.tensor(blocks)] = values
+    width = max(map(len, tables)) + 1
+    block_tables = torch.tensor([t + [next_block] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(tables), num_q_heads, head_dim, generator=gen)
+    starts = [0]
+    for chunk in members:
+        starts.append(starts[-1] + len(chunk))
+    starts += [starts[-1]] * (len(tables) + 1 - len(starts))
+    as_int = {"dtype": torch.int32, "device": device}
+    prefixes = DecodePrefixes(torch.tensor(prefix_lens, **as_int), torch.tensor(starts, **as_int),
+                              torch.tensor([i for chunk in members for i in chunk], **as_int))
+    kv = kv.to(device=device, dtype=dtype)
+    return (q.to(device=device, dtype=dtype), kv[:, 0], kv[:, 1], block_tables.to(device),
+            torch.tensor(context_lens, **as_int), prefixes)

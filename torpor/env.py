@@ -53,6 +53,9 @@ class Env:
     # reading back the one an earlier start-up with the same model, options, code and GPU measured
     # (engine/profile_cache.py).
     kv_profile_cache: bool = True
+    # TORPOR_DECODE_PREFIXES=0: the GPU decode kernel reads every sequence's whole context itself instead of
+    # reading each shared prompt prefix once per group of sequences (attention/triton_decode.py); for A/B runs.
+    decode_prefixes: bool = True
 
     @classmethod
     def read(cls) -> Env:
@@ -67,4 +70,5 @@ class Env:
             verify_clean_copies=_choice("TORPOR_VERIFY_CLEAN_COPIES", ("0", "1")) == "1",
             debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
             kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
+            decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
         )

@@ -69,3 +69,38 @@ def test_triton_backend_prefill_over_cached_prefixes_and_forked_samples(tmp_path
         for a, b in zip(out.outputs, want.outputs, strict=True):
             for x, y in zip(a.logprobs, b.logprobs, strict=True):
                 assert x.keys() == y.keys() and all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
+
+
+def test_triton_backend_reads_shared_prompt_prefixes_once_per_group(tmp_path):
+    """The n samples of prompts of >= MIN_PREFIX_TOKENS tokens grouped by DecodeBuffers (their prompt's full
+    blocks shared by prefix caching) and decoded by the kernel's prefix path, against the CPU engine without
+    caching (every sample its own prefill)."""
+    from torpor.engine.attention.triton_decode import decode_workspace_shape
+    from torpor.engine.inputs import DecodeBuffers
+
+    path = str(make_model("tiny", tmp_path / "tiny", dtype="float32", progress=False))
+    options = dict(device="cpu", max_model_len=128, max_num_seqs=12, block_size=16)
+    reference, llm = LLM(path, enable_prefix_caching=False, **options), LLM(path, **options)
+    runner = llm.engine.model_runner
+    config, m = runner.config, runner.model_config
+    backend = TritonAttentionBackend()
+    runner.buffers = DecodeBuffers(config.max_num_seqs, config.max_num_blocks_per_seq, m.hidden_size, runner.dtype,
+                                   runner.device, config.block_size, config.num_kv_blocks,
+                                   backend.decode_group_size(m.num_attention_heads, m.num_key_value_heads))
+    backend.workspace = torch.empty(decode_workspace_shape(
+        config.max_num_seqs, m.num_attention_heads, m.num_key_value_heads, m.head_dim, config.max_num_blocks_per_seq,
+        config.block_size, runner.device, prefixes=True), dtype=torch.float32)
+    for layer in runner.model.model.layers:
+        layer.self_attn.attn.backend = backend
+    runner.pad_decode_batches = True
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (70, 100)]
+    params = SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=8, ignore_eos=True, logprobs=1)
+    expected, got = reference.generate(prompts, params), llm.generate(prompts, params)
+    prefix_lens, starts, _ = runner.buffers._groups
+    assert prefix_lens.tolist() == [64] * 3 + [96] * 3 and starts[:3].tolist() == [0, 3, 6]  # two groups of 3
+    for want, out in zip(expected, got, strict=True):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
+        for a, b in zip(out.outputs, want.outputs, strict=True):
+            for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                assert x.keys() == y.keys() and all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)

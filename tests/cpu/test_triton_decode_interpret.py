@@ -22,7 +22,7 @@ if not isinstance(triton.language.cdiv, InterpretedFunction):
         allow_module_level=True,
     )
 
-from references import random_paged_decode_inputs  # noqa: E402
+from references import random_paged_decode_inputs, shared_prefix_decode_inputs  # noqa: E402
 
 import torpor.engine.attention.triton_decode as td  # noqa: E402
 from torpor.engine.attention.reference import paged_decode_attention_reference  # noqa: E402
@@ -147,3 +147,58 @@ def test_reference_matches_dense_attention():
     dense = torch.nn.functional.scaled_dot_product_attention(q[0][:, None], keys, values, enable_gqa=True)
     ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 32**-0.5)
     torch.testing.assert_close(ref[0], dense[:, 0])
+
+
+# Prompts (prefix length, own lengths of its samples): a group larger than one tile holds, prefixes of one
+# and of several splits, a prompt without a shareable prefix, and own parts from one token to several blocks.
+PREFIX_CASE = [(48, [1, 5, 17, 30, 2, 3, 9, 11, 40]), (32, [2, 3]), (0, [7, 40]), (16, [1])]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize(("num_splits", "prefix_splits"), [(None, None), (1, 1), (2, 3)])
+def test_shared_prefixes_match_reference(shared, num_splits, prefix_splits):
+    # the samples of a prompt reading its prefix once per group (shared) or each its own copy, alone
+    q, k_cache, v_cache, block_tables, context_lens, prefixes = shared_prefix_decode_inputs(
+        PREFIX_CASE, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
+        shared=shared, num_padding=2, max_group_members=td.max_group_members(8, 2))
+    scale = 32**-0.5
+    out = torch.full_like(q, float("nan"))
+    td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits=num_splits,
+                              prefixes=prefixes, num_prefix_splits_=prefix_splits)
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+    assert torch.isfinite(out).all()
+    assert (out[-2:] == 0).all()  # padding rows: context 0, no prefix, alone
+    error = (out - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[torch.float32], f"relative error {error:.2e}"
+
+
+def test_a_prefix_tile_holds_whole_members():
+    # 32 rows at least: 8 samples of qwen3-8b (4 q heads per kv head), 16 of qwen3-0.6b (2); never a part of one
+    assert td.max_group_members(32, 8) == 8 and td.max_group_members(16, 8) == 16
+    assert td.max_group_members(12, 2) == 5 and td.max_group_members(64, 1) == 1
+
+
+def test_prefix_workspace_fits_every_batch_size():
+    shape = td.decode_workspace_shape(12, 8, 2, 32, 8, 16, torch.device("cpu"), prefixes=True)
+    assert shape[0] > td.decode_workspace_shape(12, 8, 2, 32, 8, 16, torch.device("cpu"))[0]
+    case = shared_prefix_decode_inputs(PREFIX_CASE[:2], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+                                       dtype=torch.float32, shared=True)
+    q, k_cache, v_cache, block_tables, context_lens, prefixes = case
+    out = torch.empty_like(q)
+    workspace = torch.full(td.decode_workspace_shape(len(q), 8, 2, 32, block_tables.shape[1], 16,
+                                                     torch.device("cpu"), prefixes=True), float("nan"))
+    td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0, out, prefixes=prefixes,
+                              workspace=workspace)
+    assert torch.isfinite(out).all()
+
+
+def test_rejects_bad_prefixes():
+    q, k_cache, v_cache, block_tables, context_lens, prefixes = shared_prefix_decode_inputs(
+        PREFIX_CASE[:1], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, shared=True)
+    out = torch.empty_like(q)
+    bad = td.DecodePrefixes(prefixes.prefix_lens, prefixes.group_starts[:-1], prefixes.group_members)
+    with pytest.raises(ValueError, match=r"prefixes.group_starts must be a contiguous int32 \[10\]"):
+        td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0, out, prefixes=bad)
+    bad = td.DecodePrefixes(prefixes.prefix_lens.long(), prefixes.group_starts, prefixes.group_members)
+    with pytest.raises(ValueError, match=r"prefixes\.prefix_lens"):
+        td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0, out, prefixes=bad)

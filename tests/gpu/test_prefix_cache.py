@@ -100,6 +100,27 @@ def test_caching_on_equals_caching_off_with_cuda_graphs(model_path):
     on.close()
 
 
+def test_n_samples_caching_on_equals_caching_off(model_path):
+    # GRPO's shape, small: with caching on the 8 samples of a prompt share its blocks and the decode kernel reads
+    # each prompt's prefix once per group; off, every sample holds its own copy and is computed alone
+    rng = random.Random(3)
+    results, prompts = [], None
+    for caching in (False, True):
+        llm = LLM(model_path, enable_prefix_caching=caching, **ENGINE)
+        prompts = prompts or [[rng.randrange(llm.engine.vocab_size) for _ in range(n)] for n in (100, 150, 200, 64)]
+        params = [SamplingParams(temperature=1.0, seed=11 + i, n=8, max_tokens=40, logprobs=1, ignore_eos=True)
+                  for i in range(len(prompts))]
+        results.append(llm.generate(prompts, params))
+        llm.close()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    off, on = ([(c.token_ids, c.logprobs) for r in rs for c in r.outputs] for rs in results)
+    print(f"\nn=8 samples of 4 prompts, caching on vs off: {sum(a == b for a, b in zip(on, off, strict=True))}/"
+          f"{len(off)} samples bit-identical")
+    assert on == off
+
+
 def test_n_samples_share_the_prompt_and_greedy_n_agree(model_path):
     llm = LLM(model_path, **ENGINE)
     prompt = [(7 * i) % 1000 + 1 for i in range(333)]  # 20 full blocks + a partial one, copied per sample

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
-from references import random_paged_decode_inputs  # noqa: E402
+from references import random_paged_decode_inputs, shared_prefix_decode_inputs  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import torpor.engine.attention.triton_decode as td  # noqa: E402
@@ -122,3 +122,88 @@ def test_cuda_graph_replay_matches_eager():
         assert torch.equal(out, eager)
         ref = paged_decode_attention_reference(*fresh, 128**-0.5)
         assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def grpo_groups(num_prompts: int, n: int, prompt_len: int, seed: int) -> list[tuple[int, list[int]]]:
+    """num_prompts prompts of prompt_len tokens (full blocks) with n samples of 1..300 own tokens each."""
+    rng = random.Random(seed)
+    return [(prompt_len, [rng.randint(1, 300) for _ in range(n)]) for _ in range(num_prompts)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(32, 8, 128, 16), (16, 8, 128, 32), (12, 2, 64, 16)])
+@pytest.mark.parametrize("num_prompts", [1, 9, 64])
+def test_shared_prefixes_are_bit_identical_to_each_sequence_alone(dtype, num_q_heads, num_kv_heads, head_dim,
+                                                                  block_size, num_prompts):
+    # prefix caching on (the samples of a prompt share its blocks: one group reads the prefix once) against off
+    # (each sample its own copy of the same K/V: every sequence alone): the same bits, and right
+    groups = [*grpo_groups(num_prompts, 8, 512, seed=num_prompts), (0, [5, 700]), (256, [1])]
+    kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                  dtype=dtype, device="cuda", num_padding=3, max_group_members=td.max_group_members(
+                      num_q_heads, num_kv_heads))
+    outs = []
+    for shared in (True, False):
+        q, k_cache, v_cache, block_tables, lens, prefixes = shared_prefix_decode_inputs(groups, shared=shared,
+                                                                                        **kwargs)
+        out = torch.full_like(q, float("nan"))
+        td.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, out, prefixes=prefixes)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5)
+    assert torch.isfinite(outs[0]).all() and (outs[0][-3:] == 0).all()
+    assert relative_error(outs[0], ref) < TOLERANCE[dtype]
+
+
+def test_shared_prefixes_in_a_cuda_graph_follow_new_groups():
+    # the graph's buffers hold one step's groups; the next step's groups (other prompts, other sizes) replay right
+    groups = [grpo_groups(6, 8, 512, seed=1), [*grpo_groups(3, 16, 768, seed=2), (0, [9] * 8)]]
+    kwargs = dict(dtype=torch.bfloat16, device="cuda", max_group_members=8, **QWEN3_8B)
+    cases = [shared_prefix_decode_inputs(g, shared=True, num_padding=56 - sum(len(o) for _, o in g), **kwargs)
+             for g in groups]
+    width = max(c[3].shape[1] for c in cases)
+    num_blocks = max(c[1].shape[0] for c in cases)
+    q = torch.empty_like(cases[0][0])
+    k_cache = torch.zeros(num_blocks, *cases[0][1].shape[1:], dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    block_tables = torch.zeros(56, width, dtype=torch.int32, device="cuda")
+    lens = torch.empty_like(cases[0][4])
+    prefixes = td.DecodePrefixes(*(torch.empty_like(t) for t in _prefix_tensors(cases[0][5])))
+    out = torch.empty_like(q)
+    workspace = td.alloc_decode_workspace(56, 32, 8, 128, width, 16, "cuda", prefixes=True)
+    splits = dict(num_splits=1, num_prefix_splits_=2)  # the graph's and the eager call's alike
+
+    def step():
+        td.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 128**-0.5, out, prefixes=prefixes,
+                                  workspace=workspace, **splits)
+
+    for buffer, value in zip((q, lens, *_prefix_tensors(prefixes)), (cases[0][0], cases[0][4],
+                                                                     *_prefix_tensors(cases[0][5])), strict=True):
+        buffer.copy_(value)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for case in cases:
+        fresh_q, fresh_k, fresh_v, fresh_tables, fresh_lens, fresh_prefixes = case
+        k_cache.zero_()[: fresh_k.shape[0]].copy_(fresh_k)
+        v_cache.zero_()[: fresh_v.shape[0]].copy_(fresh_v)
+        block_tables.zero_()[:, : fresh_tables.shape[1]].copy_(fresh_tables)
+        for buffer, value in zip((q, lens, *_prefix_tensors(prefixes)),
+                                 (fresh_q, fresh_lens, *_prefix_tensors(fresh_prefixes)), strict=True):
+            buffer.copy_(value)
+        graph.replay()
+        eager = torch.empty_like(out)
+        td.paged_decode_attention(*case[:5], 128**-0.5, eager, prefixes=fresh_prefixes,
+                                  workspace=torch.empty_like(workspace), **splits)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert relative_error(out, paged_decode_attention_reference(*case[:5], 128**-0.5)) < TOLERANCE[torch.bfloat16]
+
+
+def _prefix_tensors(prefixes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return prefixes.prefix_lens, prefixes.group_starts, prefixes.group_members

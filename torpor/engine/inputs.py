@@ -70,31 +70,78 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device)
     return PrefillBatch(input_ids_t, positions_t, metadata, cu_seqlens[:-1], last)
 
 
+MIN_PREFIX_TOKENS = 64  # a shorter prompt gives no shared prefix: its one split would cost more than it saves
+
+
+def prefix_groups(prefix_blocks: np.ndarray, tables: np.ndarray, max_members: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences that share a prefix, for the decode kernel: rows with the same number of prefix blocks (> 0)
+    and the same blocks over them form a group, cut into groups of at most `max_members`; every other row is a
+    group of its own. Groups come in the order of their first row, members in row order. prefix_blocks:
+    [n] ints; tables: [n, >= max(prefix_blocks)] block ids. Returns (starts [n + 1], members [n]) int32, the
+    unused groups at the end empty (start == end == n)."""
+    n = len(prefix_blocks)
+    width = int(prefix_blocks.max(initial=0))
+    keys = np.full((n, width + 1), -1, dtype=np.int64)
+    keys[:, 0] = np.where(prefix_blocks > 0, prefix_blocks, -1 - np.arange(n))  # no prefix: a key of its own
+    if width:
+        columns = np.arange(width)
+        keys[:, 1:] = np.where(columns < prefix_blocks[:, None], tables[:, :width], -1)
+    _, first, group_of = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    group_of = np.argsort(np.argsort(first))[group_of.reshape(-1)]  # groups numbered by their first row
+    members = np.argsort(group_of, kind="stable")  # rows, group by group, in row order
+    rank = np.arange(n) - np.searchsorted(group_of[members], group_of[members])  # place within its group
+    new_group = rank % max_members == 0  # a group starts, or a full one is cut
+    starts = np.full(n + 1, n, dtype=np.int32)
+    first_rows = np.flatnonzero(new_group)
+    starts[: len(first_rows)] = first_rows
+    return starts, members.astype(np.int32)
+
+
 class DecodeBuffers:
     """Inputs of decode steps at fixed addresses (allocate in the runtime memory scope): a step copies
     its batch in, padded to `batch_size` rows; padded rows write their K/V to a scratch slot and attend
-    to nothing (context length 0). `hidden` receives the model's output (a CUDA graph's output buffer)."""
+    to nothing (context length 0). `hidden` receives the model's output (a CUDA graph's output buffer).
+
+    With `max_group_members` > 0 (the GPU backend's decode kernel) each row also has its shared prefix: the
+    full blocks of its prompt (prefix caching gives the n samples of a prompt, and prompts found in the cache,
+    the same blocks), and the rows are grouped by identical prefixes (`prefix_groups`), recomputed only when the
+    batch's rows change. A row's prefix depends on its own prompt only, never on what shares its batch."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, block_size: int, scratch_block: int) -> None:
+                 device: torch.device, block_size: int, scratch_block: int, max_group_members: int = 0) -> None:
         self.max_num_seqs, self.block_size, self.scratch_block = max_num_seqs, block_size, scratch_block
-        # Rows: input ids, positions, slot mapping. int32: context lengths, then block tables.
+        self.max_group_members = max_group_members
+        # Rows: input ids, positions, slot mapping.
         self.tokens = torch.zeros(3, max_num_seqs, dtype=torch.int64, device=device)
         self.tokens[2].fill_(scratch_block * block_size)
-        self.lens_tables = torch.zeros(max_num_seqs * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
+        # int32: context lengths, prefix lengths, group starts (+1), group members (a header copied whole),
+        # then block tables. Every row starts as a group of its own with no prefix.
+        s = max_num_seqs
+        self._header = 4 * s + 1
+        self.lens_tables = torch.zeros(self._header + s * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.lens_tables[2 * s : 3 * s + 1] = torch.arange(s + 1, dtype=torch.int32)
+        self.lens_tables[3 * s + 1 : 4 * s + 1] = torch.arange(s, dtype=torch.int32)
         self.hidden = torch.zeros(max_num_seqs, hidden_size, dtype=dtype, device=device)
-        self.block_tables = self.lens_tables[max_num_seqs:].view(max_num_seqs, max_blocks_per_seq)
+        self.block_tables = self.lens_tables[self._header:].view(max_num_seqs, max_blocks_per_seq)
         # The host side of the copies: pinned on CUDA (asynchronous copies); on CPU, the buffers themselves.
         # Reusing pinned memory next step is safe: every step ends with a sync on its sampled tokens.
         self._on_device = device.type != "cpu"
         self._host_tokens = self.tokens.cpu().pin_memory() if self._on_device else self.tokens
         self._host_lens_tables = self.lens_tables.cpu().pin_memory() if self._on_device else self.lens_tables
-        self._host_block_tables = self._host_lens_tables[max_num_seqs:].view(max_num_seqs, max_blocks_per_seq)
+        self._host_block_tables = self._host_lens_tables[self._header:].view(max_num_seqs, max_blocks_per_seq)
         # numpy views of the host side (written in place, no tensor made per step)
         self._host_tokens_np = self._host_tokens.numpy()
-        self._host_lens_np = self._host_lens_tables[:max_num_seqs].numpy()
+        header = self._host_lens_tables[: self._header].numpy()
+        self._host_lens_np, self._host_prefix_np = header[:s], header[s : 2 * s]
+        self._host_starts_np, self._host_members_np = header[2 * s : 3 * s + 1], header[3 * s + 1 :]
         self._host_tables_np = self._host_block_tables.numpy()
         self._table_rows = BlockTableRows(max_num_seqs, max_blocks_per_seq, scratch_block)
+        if max_group_members:
+            from torpor.engine.attention.triton_decode import DecodePrefixes  # the GPU kernel's (imports triton)
+
+            self._prefixes_type = DecodePrefixes
+        self._grouped: tuple[int, list[int]] | None = None  # the rows' generation and ids the groups were made for
+        self._groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # prefix lens, starts, members
 
     def load(self, seqs: list[Sequence], batch_size: int) -> int:
         """Copy the decode inputs of `seqs` into rows [0, batch_size); returns the longest context.
@@ -120,14 +167,44 @@ class DecodeBuffers:
         tokens[:, num_seqs:] = ((0,), (0,), (scratch * block_size,))
         self._host_lens_np[:num_seqs] = lens
         self._host_lens_np[num_seqs:batch_size] = 0
+        if self.max_group_members:
+            self._load_groups(seqs, rows, tables, batch_size)
         if self._on_device:
             self.tokens.copy_(self._host_tokens, non_blocking=True)  # whole (contiguous), a few KB
-            self.lens_tables[:batch_size].copy_(self._host_lens_tables[:batch_size], non_blocking=True)
+            header = self._header if self.max_group_members else batch_size
+            self.lens_tables[:header].copy_(self._host_lens_tables[:header], non_blocking=True)
             self.block_tables[:batch_size].copy_(self._host_block_tables[:batch_size], non_blocking=True)
         return int(lens.max())
 
+    def _load_groups(self, seqs: list, rows: list[int], tables: np.ndarray, batch_size: int) -> None:
+        """Prefix lengths and groups of rows [0, batch_size) into the host header (padding: alone, no prefix)."""
+        num_seqs = len(seqs)
+        key = (self._table_rows.generation, rows)  # a row id may pass to a new sequence: generation tells
+        if key != self._grouped or self._groups is None:
+            prompts = np.fromiter([seq.num_prompt_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
+            prefix_blocks = np.where(prompts >= MIN_PREFIX_TOKENS, prompts // self.block_size, 0)
+            self._groups = (prefix_blocks * self.block_size, *prefix_groups(
+                prefix_blocks, tables[:num_seqs], self.max_group_members))
+            self._grouped = key
+        prefix_lens, starts, members = self._groups
+        num_groups = int(np.searchsorted(starts, num_seqs))  # starts[g] < num_seqs for the groups in use
+        self._host_prefix_np[:num_seqs] = prefix_lens
+        self._host_prefix_np[num_seqs:batch_size] = 0
+        self._host_starts_np[:num_groups] = starts[:num_groups]
+        padding = np.arange(num_seqs, batch_size + 1)  # each padded row a group of its own, then empty groups
+        self._host_starts_np[num_groups : num_groups + len(padding)] = padding
+        self._host_starts_np[num_groups + len(padding) : batch_size + 1] = batch_size
+        self._host_members_np[:num_seqs] = members
+        self._host_members_np[num_seqs:batch_size] = padding[:-1]
+
     def inputs(self, batch_size: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) views of the first `batch_size` rows."""
+        s = self.max_num_seqs
+        prefixes = None
+        if self.max_group_members:
+            prefixes = self._prefixes_type(self.lens_tables[s : s + batch_size],
+                                      self.lens_tables[2 * s : 2 * s + batch_size + 1],
+                                      self.lens_tables[3 * s + 1 : 3 * s + 1 + batch_size])
         metadata = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.tokens[2, :batch_size],
@@ -135,6 +212,7 @@ class DecodeBuffers:
             block_tables=self.block_tables[:batch_size],
             cu_seqlens_q=None,
             max_context_len=max_context_len,
+            prefixes=prefixes,
         )
         return self.tokens[0, :batch_size], self.tokens[1, :batch_size], metadata
 
@@ -157,6 +235,7 @@ class BlockTableRows:
         self._table: list[list[int] | None] = [None] * max_num_seqs  # the list a row copies
         self._written = [0] * max_num_seqs                  # entries of it written
         self._free = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: lowest rows first
+        self.generation = 0  # counts the changes of membership: a row id can pass from one list to another
 
     def update(self, seqs: list) -> tuple[list[int], int]:
         """Bring the rows of `seqs`' block tables up to date; returns their rows and the longest table's length.
@@ -174,6 +253,7 @@ class BlockTableRows:
 
     def _assign(self, tables: list[list[int]]) -> list[int]:
         """Free the rows of lists not in `tables`, give a row to each new one; returns the rows of `tables`."""
+        self.generation += 1
         batch = set(map(id, tables))
         freed = [self._row_of.pop(key) for key in [key for key in self._row_of if key not in batch]]
         for row in freed:

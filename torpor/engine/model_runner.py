@@ -153,8 +153,8 @@ class ModelRunner:
 
     def _reserved_bytes(self, config: EngineConfig) -> int:
         """Device memory allocated after the KV cache besides the graph pool: decode buffers, workspace."""
-        buffers = config.max_num_seqs * (3 * 8 + 4 * (1 + config.max_num_blocks_per_seq)
-                                         + self.model_config.hidden_size * self.dtype.itemsize)
+        buffers = config.max_num_seqs * (3 * 8 + 4 * (4 + config.max_num_blocks_per_seq)
+                                         + self.model_config.hidden_size * self.dtype.itemsize) + 4
         sampler = Sampler.state_bytes(config.max_num_seqs, config.max_model_len)
         return buffers + sampler + 4 * self._workspace_numel(config)
 
@@ -164,7 +164,15 @@ class ModelRunner:
         m = self.model_config
         return decode_workspace_shape(config.max_num_seqs, m.num_attention_heads // tp_size(),
                                       m.num_key_value_heads // tp_size(), m.head_dim,
-                                      config.max_num_blocks_per_seq, config.block_size, self.device)[0]
+                                      config.max_num_blocks_per_seq, config.block_size, self.device,
+                                      prefixes=self._decode_group_size() > 0)[0]
+
+    def _decode_group_size(self) -> int:
+        """DecodeBuffers' max_group_members: the GPU kernel's group size, 0 on CPU (no shared prefixes)."""
+        if self.device.type != "cuda":
+            return 0
+        m = self.model_config
+        return self.backend.decode_group_size(m.num_attention_heads // tp_size(), m.num_key_value_heads // tp_size())
 
     def _allocate_runtime(self) -> None:
         config, m = self.config, self.model_config
@@ -174,7 +182,8 @@ class ModelRunner:
                 self.kv_cache = allocate_kv_cache(self.model, m, num_blocks, config.block_size, self.dtype,
                                                   self.device)
             self.buffers = DecodeBuffers(config.max_num_seqs, config.max_num_blocks_per_seq, m.hidden_size,
-                                         self.dtype, self.device, config.block_size, config.num_kv_blocks)
+                                         self.dtype, self.device, config.block_size, config.num_kv_blocks,
+                                         self._decode_group_size())
             self.sampler = Sampler(config.max_num_seqs, self.device, config.max_model_len, m.eos_token_ids)
         if self.device.type == "cuda":
             from torpor.engine.attention.triton_decode import alloc_decode_workspace
@@ -182,8 +191,8 @@ class ModelRunner:
             with self._tag("workspace"):
                 self.backend.workspace = alloc_decode_workspace(
                     config.max_num_seqs, m.num_attention_heads // tp_size(), m.num_key_value_heads // tp_size(),
-                    m.head_dim,
-                    config.max_num_blocks_per_seq, config.block_size, self.device)
+                    m.head_dim, config.max_num_blocks_per_seq, config.block_size, self.device,
+                    prefixes=self._decode_group_size() > 0)
             if not config.enforce_eager:
                 with torch.inference_mode(), timed_phase("cuda_graph_capture"):
                     self.graphs = CudaGraphRunner(self.model, self.buffers, config.cuda_graph_batch_sizes,

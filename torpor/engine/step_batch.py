@@ -24,13 +24,13 @@ class StepBatch:
     new_token_ids: array       # 'i' [sum of num_tokens - num_cached_tokens]: what this step computes
     block_counts: array        # 'i' [num_seqs]
     block_tables: array        # 'i' [sum of block_counts], concatenated
-    # Prefill only: request ids and sample indices (for error messages), prompt lengths, the sampling params
+    num_prompt_tokens: array   # 'i' [num_seqs] (decode: where each shared prompt prefix ends)
+    # Prefill only: request ids and sample indices (for error messages), the sampling params
     # of the sequences whose prompt logprobs this step computes (None elsewhere: nothing else is read), and
     # the forked samples of n-sample requests (they share their parent's prefill; their last prompt block
     # is copied: (source, destination)).
     request_ids: list[str] | None = None
     indices: list[int] | None = None
-    num_prompt_tokens: array | None = None
     params: list[SamplingParams | None] | None = None
     shares_prefill: list[bool] | None = None
     fork_copies: list[tuple[int, int] | None] | None = None
@@ -43,11 +43,11 @@ class StepBatch:
             new_token_ids.extend(seq.token_ids[seq.num_cached_tokens:])
             block_tables.extend(seq.block_table)
         batch = cls(is_prefill, array("i", [len(s) for s in seqs]), array("i", [s.num_cached_tokens for s in seqs]),
-                    new_token_ids, array("i", [len(s.block_table) for s in seqs]), block_tables)
+                    new_token_ids, array("i", [len(s.block_table) for s in seqs]), block_tables,
+                    array("i", [s.num_prompt_tokens for s in seqs]))
         if is_prefill:
             batch.request_ids, batch.indices = [s.request_id for s in seqs], [s.index for s in seqs]
             batch.shares_prefill, batch.fork_copies = [s.shares_prefill for s in seqs], [s.fork_copy for s in seqs]
-            batch.num_prompt_tokens = array("i", [s.num_prompt_tokens for s in seqs])
             batch.params = [s.sampling_params if s.prompt_logprobs is None and s.sampling_params.prompt_logprobs
                             is not None else None for s in seqs]
         return batch
@@ -60,9 +60,9 @@ class StepBatch:
             num_new = num_tokens - num_cached
             view = StepSequence(num_tokens, num_cached, self.new_token_ids[token_at:token_at + num_new].tolist(),
                                 self.block_tables[block_at:block_at + num_blocks].tolist())
+            view.num_prompt_tokens = self.num_prompt_tokens[i]
             if self.is_prefill:
                 view.request_id, view.index = self.request_ids[i], self.indices[i]
-                view.num_prompt_tokens = self.num_prompt_tokens[i]
                 view.shares_prefill, view.fork_copy = self.shares_prefill[i], self.fork_copies[i]
                 if self.params[i] is not None:
                     view.sampling_params = self.params[i]

@@ -1,7 +1,7 @@
 """What the attention layers need to know about a batch, and the interface of attention backends."""
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,6 +20,8 @@ class AttentionMetadata:
     max_seqlen_q: int = 0  # prefill only
     max_context_len: int = 0
     cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill only: the contexts, packed
+    # decode on GPU: shared prompt prefixes and the groups of rows that share one (triton_decode.DecodePrefixes)
+    prefixes: Any = None
 
 
 class AttentionBackend(Protocol):

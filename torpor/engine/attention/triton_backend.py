@@ -67,9 +67,17 @@ class TritonAttentionBackend:
         from torpor.engine.attention import triton_decode  # imports triton: GPU engines only
 
         self._decode = triton_decode.paged_decode_attention
+        self._max_group_members = triton_decode.max_group_members
         self.workspace: torch.Tensor | None = None
         self._step_of: weakref.ref | None = None  # weak: the step's tensors must not outlive it
         self._step: _PrefillStep | None = None
+
+    def decode_group_size(self, num_q_heads: int, num_kv_heads: int) -> int:
+        """Sequences the decode kernel computes a shared prefix for at once (DecodeBuffers' max_group_members);
+        0 with TORPOR_DECODE_PREFIXES=0: every sequence reads its whole context itself."""
+        from torpor.env import Env
+
+        return self._max_group_members(num_q_heads, num_kv_heads) if Env.read().decode_prefixes else 0
 
     def forward(
         self,
@@ -85,7 +93,7 @@ class TritonAttentionBackend:
             return self._prefill(q, k, v, k_cache, v_cache, metadata, scale)
         out = torch.empty_like(q)  # [num_seqs, num_heads, head_dim]
         return self._decode(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale, out,
-                            workspace=self.workspace)
+                            prefixes=metadata.prefixes, workspace=self.workspace)
 
     def _prefill(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         step = self._prefill_step(metadata)

@@ -5,6 +5,16 @@ context once, for all q heads of that kv head together (grouped-query attention)
 partial output and the log-sum-exp of its scores to a workspace. Phase 2 merges the splits of
 each (sequence, q head) in a fixed order, so results are bit-reproducible (no atomics).
 
+Shared prefixes (`DecodePrefixes`): the n samples of a GRPO prompt, and prompts found in the prefix cache,
+hold the same KV blocks for their prompt. A call may give each sequence a prefix length (its prompt's full
+blocks) and groups of sequences with the same prefix blocks; then phase 1 also runs, per group, kv head and
+prefix split, one program for all members' query rows at once (a tile of up to prefix_block_m rows), so the
+prefix is read once per group instead of once per sample, and each sequence's own programs read only its
+tokens after the prefix. A row's arithmetic depends on its prefix length, its tile's shape and the split
+counts, never on its group: a sequence alone (prefix caching off: its own copy of the blocks) gets the same
+bits as among its group's members (a tl.dot row does not depend on the other rows of its tile; checked on
+an H200). Measured at the GRPO shape: docs/engine.md.
+
 The grid and workspace size depend only on static quantities (num_seqs, heads, max_blocks_per_seq,
 SM count); the split of each sequence's actual context is computed inside the kernel. Nothing
 synchronizes with the host, so the whole call can be captured in a CUDA graph.
@@ -12,6 +22,7 @@ synchronizes with the host, so the whole call can be captured in a CUDA graph.
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,8 +31,164 @@ import triton.language as tl
 _PROGRAMS_PER_SM = 2  # phase-1 programs wanted per SM: enough loads in flight to saturate HBM
 _MAX_SPLITS = 128
 _MIN_SPLIT_TOKENS = 64  # no more splits than max context / this: tiny splits cost more than they save
+_MIN_PREFIX_SPLITS = 2  # a shared prefix's splits at least (GRPO, 512 sequences: 64 groups x 8 kv heads x 2)
+_PREFIX_ROWS = 32  # query rows of a prefix tile at least: 8 members of 4 q heads per kv head (qwen3-8b)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _SUPPORTED_DTYPES = tuple(_TL_DTYPES)
+
+
+@triton.jit
+def _attend(
+    q,  # [ROWS, HEAD_DIM] in DOT_DTYPE
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,  # pointer to the block-table row whose blocks hold tokens [start, end)
+    start,
+    end,
+    kv_head,
+    scale_log2,
+    cache_stride_block,
+    cache_stride_token,
+    cache_stride_head,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of q's rows over tokens [start, end) of one kv head, BLOCK_N tokens at a time from
+    `start`. Returns the unnormalized output [ROWS, HEAD_DIM], the running max and sum [ROWS] (base 2).
+    A row's result depends only on its own query, the tokens and the constexprs (a tl.dot row does not
+    depend on the other rows of its tile: checked on an H200, scripts/probe_decode_step.py --part dot-rows)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for chunk_start in range(start, end, BLOCK_N):
+        tokens = chunk_start + offs_n  # [BLOCK_N]
+        token_mask = tokens < end
+        blocks = tl.load(block_table + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+        # [BLOCK_N, HEAD_DIM] element offsets of these tokens' K (and V: the caches share strides)
+        in_block = tokens % BLOCK_SIZE
+        kv_offsets = (
+            blocks[:, None] * cache_stride_block
+            + in_block[:, None] * cache_stride_token
+            + kv_head * cache_stride_head
+            + offs_d[None, :]
+        )
+        k = tl.load(k_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        # Online softmax; every chunk has at least one valid token, so new_max is finite.
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _store_partial(
+    partial_out_ptr, lse_ptr, acc, row_max, row_sum, seqs, q_heads, rows_mask, split,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOTAL_SPLITS: tl.constexpr,
+):
+    """One split's normalized output and log-sum-exp per row (sequence `seqs`, head `q_heads`) into the
+    workspace [num_seqs, NUM_Q_HEADS, TOTAL_SPLITS, HEAD_DIM + lse]."""
+    normalized = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # empty split: zeros, not NaN
+    rows = (seqs * NUM_Q_HEADS + q_heads) * TOTAL_SPLITS + split
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], normalized, mask=rows_mask[:, None])
+    # A non-empty split has row_sum >= 1; an empty one has row_max = -inf, hence lse = -inf.
+    tl.store(lse_ptr + rows, row_max + tl.log2(tl.maximum(row_sum, 1.0)), mask=rows_mask)
+
+
+@triton.jit
+def _prefix_program(
+    group, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, prefix_lens_ptr, group_starts_ptr,
+    group_members_ptr, partial_out_ptr, lse_ptr, scale_log2, q_stride_seq, q_stride_head, cache_stride_block,
+    cache_stride_token, cache_stride_head, bt_stride_seq,
+    NUM_Q_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Split `split` of group `group`'s shared prefix [0, prefix_len), for every member's query rows at once
+    from the leader's (first member's) blocks: the prefix is read once per group. An empty group does nothing."""
+    first = tl.load(group_starts_ptr + group)
+    last = tl.load(group_starts_ptr + group + 1)
+    if first < last:
+        # Rows of the query tile: member * QUERIES_PER_KV + query head within this kv head.
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        member = offs_m // QUERIES_PER_KV
+        rows_mask = member < last - first
+        seqs = tl.load(group_members_ptr + first + member, mask=rows_mask, other=0).to(tl.int64)
+        leader = tl.load(group_members_ptr + first).to(tl.int64)
+        prefix_len = tl.load(prefix_lens_ptr + leader)
+        q_heads = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+        q = tl.load(
+            q_ptr + seqs[:, None] * q_stride_seq + q_heads[:, None] * q_stride_head + offs_d[None, :],
+            mask=rows_mask[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+        # Each split an equal, BLOCK_N-aligned share of the prefix: a function of prefix_len alone, so a row is
+        # computed the same in a group of one (prefix caching off) as among the members of its group.
+        split_len = tl.cdiv(tl.cdiv(prefix_len, PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, prefix_len)
+        acc, row_max, row_sum = _attend(
+            q, k_cache_ptr, v_cache_ptr, block_tables_ptr + leader * bt_stride_seq, start, end, kv_head,
+            scale_log2, cache_stride_block, cache_stride_token, cache_stride_head,
+            BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+        _store_partial(partial_out_ptr, lse_ptr, acc, row_max, row_sum, seqs, q_heads, rows_mask, split,
+                       NUM_Q_HEADS, HEAD_DIM, TOTAL_SPLITS)
+
+
+@triton.jit
+def _own_program(
+    seq, kv_head, own_split, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, prefix_lens_ptr,
+    out_ptr, partial_out_ptr, lse_ptr, scale_log2, q_stride_seq, q_stride_head, cache_stride_block,
+    cache_stride_token, cache_stride_head, bt_stride_seq, out_stride_seq, out_stride_head,
+    NUM_Q_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Split `own_split` of sequence `seq`'s own tokens [prefix_len, context_len) (its whole context when the
+    call has no prefixes), for the q heads of one kv head."""
+    TOTAL_SPLITS: tl.constexpr = PREFIX_SPLITS + NUM_SPLITS
+    context_len = tl.load(context_lens_ptr + seq)
+    own_start = tl.load(prefix_lens_ptr + seq) if PREFIX_SPLITS > 0 else context_len * 0
+    # Each split takes an equal, BLOCK_N-aligned share of the own tokens; late splits may be empty.
+    split_len = tl.cdiv(tl.cdiv(context_len - own_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = own_start + own_split * split_len
+    end = tl.minimum(start + split_len, context_len)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_mask = offs_h < QUERIES_PER_KV  # BLOCK_H pads the group up to a tl.dot-friendly size
+    q_heads = kv_head * QUERIES_PER_KV + offs_h
+    q = tl.load(
+        q_ptr + seq * q_stride_seq + q_heads[:, None] * q_stride_head + offs_d[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
+    acc, row_max, row_sum = _attend(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride_seq, start, end, kv_head, scale_log2,
+        cache_stride_block, cache_stride_token, cache_stride_head,
+        BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+    if TOTAL_SPLITS == 1:
+        normalized = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # empty: zeros, not NaN
+        tl.store(
+            out_ptr + seq * out_stride_seq + q_heads[:, None] * out_stride_head + offs_d[None, :],
+            normalized.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
+    else:
+        _store_partial(partial_out_ptr, lse_ptr, acc, row_max, row_sum, seq + offs_h * 0, q_heads, head_mask,
+                       PREFIX_SPLITS + own_split, NUM_Q_HEADS, HEAD_DIM, TOTAL_SPLITS)
 
 
 @triton.jit
@@ -31,6 +198,9 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    prefix_lens_ptr,
+    group_starts_ptr,
+    group_members_ptr,
     out_ptr,
     partial_out_ptr,
     lse_ptr,
@@ -48,71 +218,43 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
+    """Phase 1. Grid (num_seqs, num_kv_heads, PREFIX_SPLITS + NUM_SPLITS): program (g, h, s < PREFIX_SPLITS)
+    computes prefix split s of group g (`_prefix_program`), program (i, h, s >= PREFIX_SPLITS) own split
+    s - PREFIX_SPLITS of sequence i (`_own_program`). Without prefixes (PREFIX_SPLITS == 0) the group pointers
+    are never read."""
+    pid = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + seq)
-    # Each split takes an equal, BLOCK_N-aligned share of this sequence's context; late splits may be empty.
-    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, context_len)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    head_mask = offs_h < QUERIES_PER_KV  # BLOCK_H pads the group up to a tl.dot-friendly size
-    q_heads = kv_head * QUERIES_PER_KV + offs_h
-    q = tl.load(
-        q_ptr + seq * q_stride_seq + q_heads[:, None] * q_stride_head + offs_d[None, :],
-        mask=head_mask[:, None],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
-
-    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    block_table = block_tables_ptr + seq * bt_stride_seq
-    for chunk_start in range(start, end, BLOCK_N):
-        tokens = chunk_start + offs_n  # [BLOCK_N]
-        token_mask = tokens < end
-        blocks = tl.load(block_table + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-        # [BLOCK_N, HEAD_DIM] element offsets of these tokens' K (and V: the caches share strides)
-        in_block = tokens % BLOCK_SIZE
-        kv_offsets = (
-            blocks[:, None] * cache_stride_block
-            + in_block[:, None] * cache_stride_token
-            + kv_head * cache_stride_head
-            + offs_d[None, :]
-        )
-        k = tl.load(k_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        # Online softmax; every chunk has at least one valid token, so new_max is finite.
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0).to(DOT_DTYPE)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-        row_max = new_max
-
-    normalized = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # empty split: zeros, not NaN
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + seq * out_stride_seq + q_heads[:, None] * out_stride_head + offs_d[None, :],
-            normalized.to(out_ptr.dtype.element_ty),
-            mask=head_mask[:, None],
-        )
+    if PREFIX_SPLITS > 0:
+        if split < PREFIX_SPLITS:
+            _prefix_program(
+                pid, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, prefix_lens_ptr,
+                group_starts_ptr, group_members_ptr, partial_out_ptr, lse_ptr, scale_log2, q_stride_seq,
+                q_stride_head, cache_stride_block, cache_stride_token, cache_stride_head, bt_stride_seq,
+                NUM_Q_HEADS, QUERIES_PER_KV, HEAD_DIM, BLOCK_SIZE, PREFIX_SPLITS, PREFIX_SPLITS + NUM_SPLITS, BLOCK_M,
+                BLOCK_N,
+                DOT_DTYPE, DOT_PRECISION)
+        else:
+            _own_program(
+                pid, kv_head, split - PREFIX_SPLITS, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                context_lens_ptr, prefix_lens_ptr, out_ptr, partial_out_ptr, lse_ptr, scale_log2, q_stride_seq,
+                q_stride_head, cache_stride_block, cache_stride_token, cache_stride_head, bt_stride_seq,
+                out_stride_seq, out_stride_head, NUM_Q_HEADS, QUERIES_PER_KV, HEAD_DIM, BLOCK_SIZE, NUM_SPLITS,
+                PREFIX_SPLITS, BLOCK_H, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
     else:
-        rows = (seq * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [BLOCK_H] rows of the workspace
-        tl.store(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], normalized, mask=head_mask[:, None])
-        # A non-empty split has row_sum >= 1; an empty one has row_max = -inf, hence lse = -inf.
-        tl.store(lse_ptr + rows, row_max + tl.log2(tl.maximum(row_sum, 1.0)), mask=head_mask)
+        _own_program(
+            pid, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+            prefix_lens_ptr, out_ptr, partial_out_ptr, lse_ptr, scale_log2, q_stride_seq, q_stride_head,
+            cache_stride_block, cache_stride_token, cache_stride_head, bt_stride_seq, out_stride_seq,
+            out_stride_head, NUM_Q_HEADS, QUERIES_PER_KV, HEAD_DIM, BLOCK_SIZE, NUM_SPLITS, 0, BLOCK_H, BLOCK_N,
+            DOT_DTYPE, DOT_PRECISION)
 
 
 @triton.jit
@@ -159,6 +301,18 @@ def _launch_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
 
 
+def prefix_block_m(queries_per_kv: int) -> int:
+    """Query rows of a prefix tile: members x queries_per_kv, padded. Fixed per model (never per batch): a row's
+    bits depend on its tile's shape, so a sequence alone and in a group must use the same one."""
+    return max(_PREFIX_ROWS, triton.next_power_of_2(queries_per_kv))
+
+
+def max_group_members(num_q_heads: int, num_kv_heads: int) -> int:
+    """The most sequences one prefix tile computes together (larger groups are cut into groups of this size)."""
+    queries_per_kv = num_q_heads // num_kv_heads
+    return prefix_block_m(queries_per_kv) // queries_per_kv
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -175,6 +329,16 @@ def num_decode_splits(
     return max(1, min(wanted, max_useful, _MAX_SPLITS))
 
 
+def num_prefix_splits(
+    num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+) -> int:
+    """Splits of each shared prefix: those of the own tokens, and at least _MIN_PREFIX_SPLITS (a group is
+    one program per split and kv head for all its members, so its splits are the parallelism it has)."""
+    splits = num_decode_splits(num_seqs, num_kv_heads, max_blocks_per_seq, block_size, device)
+    max_useful = triton.cdiv(max_blocks_per_seq * block_size, _MIN_SPLIT_TOKENS)
+    return max(1, min(max(splits, _MIN_PREFIX_SPLITS), max_useful, _MAX_SPLITS))
+
+
 def _workspace_numel(num_seqs: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     # fp32 partial outputs [num_seqs, num_q_heads, num_splits, head_dim] then lse [..., num_splits]
     return 0 if num_splits == 1 else num_seqs * num_q_heads * num_splits * (head_dim + 1)
@@ -188,19 +352,16 @@ def decode_workspace_shape(
     max_blocks_per_seq: int,
     block_size: int,
     device: torch.device,
+    prefixes: bool = False,
 ) -> tuple[int]:
-    """Shape of a flat fp32 workspace serving every batch size from 1 to max_num_seqs."""
-    return (
-        max(
-            _workspace_numel(
-                n,
-                num_q_heads,
-                head_dim,
-                num_decode_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device),
-            )
-            for n in range(1, max_num_seqs + 1)
-        ),
-    )
+    """Shape of a flat fp32 workspace serving every batch size from 1 to max_num_seqs (with `prefixes`:
+    calls that pass shared prefixes, whose splits add up)."""
+
+    def splits(n: int) -> int:
+        own = num_decode_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device)
+        return own + (num_prefix_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device) if prefixes else 0)
+
+    return (max(_workspace_numel(n, num_q_heads, head_dim, splits(n)) for n in range(1, max_num_seqs + 1)),)
 
 
 def alloc_decode_workspace(
@@ -211,10 +372,11 @@ def alloc_decode_workspace(
     max_blocks_per_seq: int,
     block_size: int,
     device: torch.device,
+    prefixes: bool = False,
 ) -> torch.Tensor:
     """Allocate the decode workspace (call inside the model runner's workspace memory scope)."""
     shape = decode_workspace_shape(
-        max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, device
+        max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, device, prefixes
     )
     return torch.empty(shape, dtype=torch.float32, device=device)
 
@@ -289,6 +451,28 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
+@dataclass(frozen=True)
+class DecodePrefixes:
+    """Shared prefixes of a decode batch (int32 device tensors): `prefix_lens` [num_seqs], each sequence's
+    prefix length (0: none; at most its context length); groups partition the sequences: group g's members are
+    `group_members[group_starts[g]:group_starts[g + 1]]` (`group_starts` [num_seqs + 1], non-decreasing, the
+    unused groups at the end empty), at most max_group_members(...) each, all with the same prefix length and the
+    same blocks over it (the caller's promise: the kernel reads every member's prefix from the first one's
+    blocks). Sequence i's result does not depend on its group: alone it is computed the same way."""
+
+    prefix_lens: torch.Tensor
+    group_starts: torch.Tensor
+    group_members: torch.Tensor
+
+
+def _check_prefixes(prefixes: DecodePrefixes, num_seqs: int, device: torch.device) -> None:
+    for name, size in (("prefix_lens", num_seqs), ("group_starts", num_seqs + 1), ("group_members", num_seqs)):
+        t = getattr(prefixes, name)
+        if t.dtype != torch.int32 or t.shape != (size,) or t.device != device or not t.is_contiguous():
+            raise ValueError(f"prefixes.{name} must be a contiguous int32 [{size}] tensor on {device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -299,14 +483,19 @@ def paged_decode_attention(
     out: torch.Tensor,
     *,
     num_splits: int | None = None,
+    prefixes: DecodePrefixes | None = None,
+    num_prefix_splits_: int | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache; writes and returns `out`.
 
     q, out: [num_seqs, num_q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
-    (0 gives a zero output). num_splits defaults to num_decode_splits(...). workspace: a flat fp32
-    tensor of at least decode_workspace_shape(...) elements; without one, a per-device buffer is
+    (0 gives a zero output). num_splits defaults to num_decode_splits(...). With `prefixes`, each group's
+    shared prefix is read once for all its members (num_prefix_splits_ splits, default num_prefix_splits(...))
+    and each sequence's own tokens after it apart; the merge of the splits is fixed, so results are
+    bit-reproducible and the same whatever the grouping. workspace: a flat fp32 tensor of at least
+    decode_workspace_shape(..., prefixes=prefixes is not None) elements; without one, a per-device buffer is
     cached, which must then exist before any CUDA-graph capture (run the shape eagerly first).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
@@ -316,22 +505,34 @@ def paged_decode_attention(
         num_splits = num_decode_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size, q.device)
     if not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
+    prefix_splits = 0
+    if prefixes is not None:
+        _check_prefixes(prefixes, num_seqs, q.device)
+        prefix_splits = num_prefix_splits_ or num_prefix_splits(
+            num_seqs, num_kv_heads, block_tables.shape[1], block_size, q.device)
+        if not 1 <= prefix_splits <= _MAX_SPLITS:
+            raise ValueError(f"num_prefix_splits_ must be in [1, {_MAX_SPLITS}], got {prefix_splits}")
+    total_splits = prefix_splits + num_splits
     partial_out = lse = out  # one split: phase 1 writes `out` itself and never touches these
-    if num_splits > 1:
-        numel = _workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)
+    if total_splits > 1:
+        numel = _workspace_numel(num_seqs, num_q_heads, head_dim, total_splits)
         workspace = _get_workspace(workspace, numel, q.device)
-        num_partial = num_seqs * num_q_heads * num_splits * head_dim
+        num_partial = num_seqs * num_q_heads * total_splits * head_dim
         partial_out, lse = workspace[:num_partial], workspace[num_partial:numel]
     queries_per_kv = num_q_heads // num_kv_heads
+    groups = prefixes or DecodePrefixes(context_lens, context_lens, context_lens)  # never read without prefixes
     # The Triton interpreter (CPU) keeps 16-bit floats as raw uint16 bits and tl.dot multiplies those
     # bits as integers, so off-GPU the operands are upcast to fp32 first.
     dot_dtype = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_seqs, num_kv_heads, total_splits)](
         q,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
+        groups.prefix_lens,
+        groups.group_starts,
+        groups.group_members,
         out,
         partial_out,
         lse,
@@ -349,13 +550,15 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        PREFIX_SPLITS=prefix_splits,
         BLOCK_H=max(16, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_M=prefix_block_m(queries_per_kv),
         DOT_DTYPE=dot_dtype,
         **_launch_config(head_dim, q.dtype),
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
     )
-    if num_splits > 1:
-        block_s = triton.next_power_of_2(num_splits)
+    if total_splits > 1:
+        block_s = triton.next_power_of_2(total_splits)
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial_out,
             lse,
@@ -364,7 +567,7 @@ def paged_decode_attention(
             out.stride(1),
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
+            NUM_SPLITS=total_splits,
             BLOCK_S=block_s,
             num_warps=min(16, max(1, block_s * head_dim // 2048)),  # 64 partial-output values per thread
         )
