@@ -125,7 +125,7 @@ def shared_prefix_decode_inputs(
     device: torch.device | str = "cpu",
     seed: int = 0,
     num_padding: int = 0,
-    max_group_members: int = 8,
+    max_group_members: int | None = None,
 ):
     """Decode inputs of sequences with shared prompt prefixes, as prefix caching lays them out (`shared`:
     the samples of a prompt hold the same prefix blocks) or as it does not (each holds its own copy of the same
@@ -133,9 +133,12 @@ def shared_prefix_decode_inputs(
     (0: no prefix). `num_padding` rows of context 0 follow (CUDA-graph padding). The same seed gives the same
     queries and K/V values in both layouts. Returns (q, k_cache, v_cache, block_tables, context_lens, prefixes)
     with `prefixes` a triton_decode.DecodePrefixes: the samples of a prompt in groups of at most
-    `max_group_members` when `shared`, every sequence alone otherwise."""
+    `max_group_members` (default: what the kernel's tile holds) when `shared`, every sequence alone otherwise."""
     from torpor.engine.attention.triton_decode import DecodePrefixes
+    from torpor.engine.attention.triton_decode import max_group_members as tile_members
 
+    if max_group_members is None:
+        max_group_members = tile_members(num_q_heads, num_kv_heads)
     gen = torch.Generator().manual_seed(seed)
     prefix_values, own_values, tables, prefix_lens, context_lens, members = [], [], [], [], [], []
     shape = (block_size, num_kv_heads, head_dim)

@@ -30,6 +30,13 @@ def test_a_shorter_prefix_over_the_same_blocks_is_another_group():
     assert groups_of(starts, members) == [[0, 2], [1]]
 
 
+def test_rows_are_grouped_on_all_their_prefix_blocks_not_only_the_last():
+    # the same last prefix block after different earlier ones (no prefix cache makes this; a row must still
+    # never read another row's blocks)
+    starts, members = prefix_groups(np.array([2, 2, 2]), np.array([[3, 8], [7, 8], [3, 8]]), max_members=8)
+    assert groups_of(starts, members) == [[0, 2], [1]]
+
+
 def test_rows_without_a_prefix_are_never_grouped():
     starts, members = prefix_groups(np.zeros(4, dtype=np.int64), np.zeros((4, 3), dtype=np.int32), 8)
     assert groups_of(starts, members) == [[0], [1], [2], [3]]

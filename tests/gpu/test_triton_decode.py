@@ -158,7 +158,7 @@ def test_shared_prefixes_are_bit_identical_to_each_sequence_alone(dtype, num_q_h
 def test_shared_prefixes_in_a_cuda_graph_follow_new_groups():
     # the graph's buffers hold one step's groups; the next step's groups (other prompts, other sizes) replay right
     groups = [grpo_groups(6, 8, 512, seed=1), [*grpo_groups(3, 16, 768, seed=2), (0, [9] * 8)]]
-    kwargs = dict(dtype=torch.bfloat16, device="cuda", max_group_members=8, **QWEN3_8B)
+    kwargs = dict(dtype=torch.bfloat16, device="cuda", max_group_members=td.max_group_members(32, 8), **QWEN3_8B)
     cases = [shared_prefix_decode_inputs(g, shared=True, num_padding=56 - sum(len(o) for _, o in g), **kwargs)
              for g in groups]
     width = max(c[3].shape[1] for c in cases)

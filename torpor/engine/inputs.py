@@ -78,21 +78,30 @@ def prefix_groups(prefix_blocks: np.ndarray, tables: np.ndarray, max_members: in
     and the same blocks over them form a group, cut into groups of at most `max_members`; every other row is a
     group of its own. Groups come in the order of their first row, members in row order. prefix_blocks:
     [n] ints; tables: [n, >= max(prefix_blocks)] block ids. Returns (starts [n + 1], members [n]) int32, the
-    unused groups at the end empty (start == end == n)."""
+    unused groups at the end empty (start == end == n).
+
+    Rows are matched by (prefix length, last prefix block) first, then every row's prefix is compared whole
+    with its match's: with prefix caching a block at a position implies the blocks before it, but a row is
+    only ever grouped on equal blocks (1-D keys: ~0.1 ms for 512 rows, where whole-row keys took ~5 ms)."""
     n = len(prefix_blocks)
+    rows = np.arange(n)
+    has_prefix = prefix_blocks > 0
+    last = tables[rows, np.maximum(prefix_blocks - 1, 0)].astype(np.int64)
+    keys = np.where(has_prefix, prefix_blocks.astype(np.int64) << 32 | last, -1 - rows)  # none: a key of its own
+    _, first, group_of = np.unique(keys, return_index=True, return_inverse=True)
     width = int(prefix_blocks.max(initial=0))
-    keys = np.full((n, width + 1), -1, dtype=np.int64)
-    keys[:, 0] = np.where(prefix_blocks > 0, prefix_blocks, -1 - np.arange(n))  # no prefix: a key of its own
     if width:
-        columns = np.arange(width)
-        keys[:, 1:] = np.where(columns < prefix_blocks[:, None], tables[:, :width], -1)
-    _, first, group_of = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        leader = first[group_of.reshape(-1)]
+        inside = np.arange(width) < prefix_blocks[:, None]
+        differs = ((tables[:, :width] != tables[leader, :width]) & inside).any(axis=1)
+        if differs.any():  # blocks that do not imply their predecessors: such rows alone
+            keys = np.where(differs, -1 - rows, keys)
+            _, first, group_of = np.unique(keys, return_index=True, return_inverse=True)
     group_of = np.argsort(np.argsort(first))[group_of.reshape(-1)]  # groups numbered by their first row
     members = np.argsort(group_of, kind="stable")  # rows, group by group, in row order
-    rank = np.arange(n) - np.searchsorted(group_of[members], group_of[members])  # place within its group
-    new_group = rank % max_members == 0  # a group starts, or a full one is cut
+    rank = rows - np.searchsorted(group_of[members], group_of[members])  # place within its group
     starts = np.full(n + 1, n, dtype=np.int32)
-    first_rows = np.flatnonzero(new_group)
+    first_rows = np.flatnonzero(rank % max_members == 0)  # a group starts, or a full one is cut
     starts[: len(first_rows)] = first_rows
     return starts, members.astype(np.int32)
 
