@@ -52,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "with --soak-cycles: every cycle exact, device and host-RSS slopes)")
     p.add_argument("--loader-only", action="store_true", help="only the weight-loading rows (reload old vs new "
                    "path, level-2 wake + reload, cold start phases)")
+    p.add_argument("--cold-start-only", action="store_true", help="only the cold starts in new processes, by phase "
+                   "(one profiling the KV-sizing step, one reading it back, one without the bytecode cache)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--level3", action="store_true", help="measure sleep levels 3/4, the first sleep with "
                    "reserved host copies and the re-sleep without copying (CUDA only; see above)")
@@ -88,15 +90,19 @@ PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
 CAPTURE_LINE = re.compile(r"cuda graph batch size (\d+): warm-up ([0-9.]+) s, capture ([0-9.]+) s")
 
 
-def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True) -> dict:
+def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
+                      bytecode_cache: bool = True) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
-    (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token."""
+    (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token. The process starts as the
+    `torpor` command does (lazy.use_bytecode_cache first) unless `bytecode_cache` is False."""
     import os
     import subprocess
 
-    code = ("import time; t0 = time.perf_counter(); import torch; from torpor.engine import LLM, SamplingParams; "
+    bytecode = "from torpor.lazy import use_bytecode_cache; print('BYTECODE', use_bytecode_cache(), flush=True); "
+    code = ("import time; t0 = time.perf_counter(); " + (bytecode if bytecode_cache else "")
+            + "import torch; from torpor.engine import LLM, SamplingParams; "
             "print('IMPORTS', time.perf_counter() - t0, flush=True); "
             f"llm = LLM({model!r}, device={args.device!r}, max_num_seqs={args.max_num_seqs}, "
             f"max_model_len={args.max_model_len}{options}); t1 = time.perf_counter(); "
@@ -120,8 +126,9 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     # Where cuda_graph_capture goes: per batch size (largest first), the eager warm-up and the capture.
     graphs = [dict(batch_size=int(size), warm_up_s=float(warm), capture_s=float(capture))
               for size, warm, capture in CAPTURE_LINE.findall(out.stderr)]
+    cache = [line.split(maxsplit=1)[1] for line in out.stdout.splitlines() if line.startswith("BYTECODE ")]
     return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr,
-                graph_capture=graphs)
+                graph_capture=graphs, bytecode_cache=cache[0] if cache and cache[0] != "None" else None)
 
 
 def drop_page_cache(files) -> None:
@@ -413,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
         return run_level3(args, model, results)
     if args.loader_only:
         return run_loader(model, args, results)
+    if args.cold_start_only:
+        return run_cold_starts(model, args, results)
     if args.soak_only:
         return run_soak(model, args, results)
     if not args.skip_untagged:
@@ -500,9 +509,7 @@ def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
     before = run_round(llm, requests)
     results["loader"] = loader_figures(llm, model, args.device)
     results["loader"]["answers_unchanged"] = not differences(before, run_round(llm, requests))
-    # A restart profiling its step (the old path), then one reading the step this start-up measured back.
-    results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False)
-    results["cold_start_phases"] = cold_start_phases(model, args)
+    cold_starts(model, args, results)
     report_loader(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -510,11 +517,49 @@ def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
     return 0 if results["loader"]["answers_unchanged"] else 1
 
 
+def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
+    """A restart profiling its KV-sizing step (the old path), then one reading back the step it measured, then
+    the same without the bytecode cache (where Python may not write bytecode, every start compiles)."""
+    results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False)
+    results["cold_start_phases"] = cold_start_phases(model, args)
+    results["cold_start_phases_compiling"] = cold_start_phases(model, args, bytecode_cache=False)
+
+
+def run_cold_starts(model: str, args: argparse.Namespace, results: dict) -> int:
+    """`--cold-start-only`: the cold starts of `cold_starts`, reported as in `--loader-only`."""
+    cold_starts(model, args, results)
+    report_loader(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 def report_loader(r: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=160) if not sys.stdout.isatty() else Console()
+    if "loader" in r:
+        report_reloads(console, r)
+    for key, label in (("cold_start_phases_profiling", "profiling its step"),
+                       ("cold_start_phases", "the step's memory read back"),
+                       ("cold_start_phases_compiling", "read back, no bytecode cache")):
+        if key in r:
+            c = r[key]
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
+            read_back = "read back" if c.get("kv_profile_read_back") else "measured"
+            cache = f"bytecode cache {c['bytecode_cache']}" if c.get("bytecode_cache") else "no bytecode cache"
+            console.print(f"cold start in a new process, {label}: {c['total_s']:.2f} s (step memory {read_back}, "
+                          f"{cache}); phases (s): {phases}")
+            if c.get("graph_capture"):
+                sizes = ", ".join(f"{g['batch_size']}: {g['warm_up_s']:.3f}+{g['capture_s']:.3f}"
+                                  for g in c["graph_capture"])
+                console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
+
+
+def report_reloads(console, r: dict) -> None:
+    from rich.table import Table
+
     loader = r["loader"]
     table = Table(title=f"reload of {loader['checkpoint_gb']:.2f} GB ({r['model']} on {r['device']}): plain vs staged")
     for col in ("path", "page cache", "seconds", "GB/s"):
@@ -533,18 +578,6 @@ def report_loader(r: dict) -> None:
                       f"reload {w['reload_s']:.3f} s; goal <= 0.8 s)")
     if "answers_unchanged" in loader:
         console.print(f"answers after the reloads: {'unchanged' if loader['answers_unchanged'] else 'CHANGED'}")
-    for key, label in (("cold_start_phases_profiling", "profiling its step"),
-                       ("cold_start_phases", "the step's memory read back")):
-        if key in r:
-            c = r[key]
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
-            read_back = "read back" if c.get("kv_profile_read_back") else "measured"
-            console.print(f"cold start in a new process, {label}: {c['total_s']:.2f} s (step memory {read_back}); "
-                          f"phases (s): {phases}")
-            if c.get("graph_capture"):
-                sizes = ", ".join(f"{g['batch_size']}: {g['warm_up_s']:.3f}+{g['capture_s']:.3f}"
-                                  for g in c["graph_capture"])
-                console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
 
 
 def report(r: dict) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from torpor.lazy import use_bytecode_cache
+
+use_bytecode_cache()  # before any subcommand imports torch: this process is torpor's own
 # What a subcommand raises for bad input or an unusable machine: said in one line.
 USER_ERRORS = (OSError, ValueError, TypeError, RuntimeError, ImportError)
 
