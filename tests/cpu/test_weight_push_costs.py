@@ -123,10 +123,11 @@ class _Server:
         self.overlapping = False
         self.built = threading.Event()  # set when the pusher serializes its second request
 
-    def post(self, path: str, json: dict) -> _Response:
+    def post(self, path: str, json: dict, headers: dict) -> _Response:
         self.active += 1
         self.overlapping |= self.active > 1
         index = len(self.bodies)
+        assert headers["X-Torpor-Push-Index"] == str(index)
         self.bodies.append(json)
         if index == 0:
             assert self.built.wait(30), "the next request was not built while the first was in flight"
@@ -168,7 +169,7 @@ def _tensors(count: int) -> list[tuple[str, torch.Tensor]]:
 def test_requests_go_one_at_a_time_in_order_while_the_next_is_built(fake_serialize):
     server = _Server()
     fake_serialize(server)
-    pusher = WeightPusher("http://engine", "token", bucket_bytes=16)  # 16 bytes: one tensor per bucket
+    pusher = WeightPusher("http://engine", "token", bucket_bytes=16, in_flight=1)  # 16 bytes: a tensor a bucket
     pusher.http = server
     report = pusher.push(_tensors(5))
     assert [b["serialized_named_tensors"] for b in server.bodies] == [[f"t{i}"] for i in range(5)]
@@ -181,7 +182,7 @@ def test_requests_go_one_at_a_time_in_order_while_the_next_is_built(fake_seriali
 def test_nothing_is_sent_after_a_failed_request(fake_serialize):
     server = _Server(fail_at=1)
     fake_serialize(server)
-    pusher = WeightPusher("http://engine", "token", bucket_bytes=16)
+    pusher = WeightPusher("http://engine", "token", bucket_bytes=16, in_flight=1)
     pusher.http = server
     with pytest.raises(RuntimeError, match=r"update_weights_from_tensor failed \(400\)"):
         pusher.push(_tensors(6))

@@ -403,14 +403,18 @@ def check_finite(copies: Sequence[PlannedCopy]) -> None:
                               weights_written=True)
 
 
-def check_update(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]], strict: bool) -> None:
+def check_update(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]], strict: bool,
+                 sources_checked: bool = False) -> None:
     """Validate a whole update before any of it is written: names, shapes, dtypes and finite values
-    (ValueError naming the tensor)."""
+    (ValueError naming the tensor). `sources_checked`: `check_sources(model, ..., strict=False)` accepted
+    these very (name, shape, dtype) triples already (a push staged off the engine thread), so only the
+    values are checked here, and, with `strict`, the coverage (which needs the plan: it runs again)."""
     for item in named_tensors:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise ValueError("update_weights takes (name, tensor) pairs")
-    with phase("plan"):
-        check_sources(model, ((n, t.shape, t.dtype) for n, t in named_tensors), strict)
+    if strict or not sources_checked:
+        with phase("plan"):
+            check_sources(model, ((n, t.shape, t.dtype) for n, t in named_tensors), strict)
     with phase("finite"):
         bad = first_non_finite([t for _, t in named_tensors])
     if bad is not None:
