@@ -155,26 +155,63 @@ def _non_finite(bucket):
     return bucket
 
 
-@pytest.mark.parametrize("spoil", [_bad_shape, _non_finite], ids=["refused-bucket", "non-finite-on-engine-thread"])
-def test_nothing_after_a_failed_request_is_written(server, tiny_model_path, new_weights_path, spoil, old_weights):
-    """Request 1 of 6 fails (refused when staged, or by the finite check on the engine thread); requests 2-5 are
-    sent at once, in flight while it fails: none of them writes a byte."""
+@pytest.mark.parametrize("spoil, failing", [(_bad_shape, 1), (_non_finite, 1), (_non_finite, 0)],
+                         ids=["refused-when-staged", "non-finite-when-staged", "non-finite-first-request"])
+def test_nothing_after_a_failed_request_is_written(server, tiny_model_path, new_weights_path, spoil, failing,
+                                                   old_weights):
+    """Request `failing` of 6 fails (request 0 runs on the engine thread: nothing else was in flight when it came;
+    the others are staged); the requests after it are all sent at once, in flight while it fails: none of them
+    writes a byte, and the requests before it landed."""
     buckets = _buckets(new_weights_path)[:6]
-    spoil(buckets[1])
+    spoil(buckets[failing])
     before = _weights(server)
+    push_id = f"fail-{spoil.__name__}-{failing}"
     with ThreadPoolExecutor(6) as pool:
-        answers = [pool.submit(_post, server, b.payload(), f"fail-{spoil.__name__}", i) for i, b in enumerate(buckets)]
+        first = pool.submit(_post, server, buckets[0].payload(), push_id, 0)
+        if failing:
+            assert first.result().status_code == 200, first.result().text
+        answers = [first, *(pool.submit(_post, server, b.payload(), push_id, i) for i, b in enumerate(buckets) if i)]
         answers = [a.result() for a in answers]
-    assert answers[0].status_code == 200 and answers[1].status_code == 400, answers[1].text
-    for later in answers[2:]:
-        assert later.status_code == 409 and "request 1 of this push failed" in later.text, later.text
-    reference = LLM(tiny_model_path, **ENGINE)  # the old weights with request 0 alone
-    reference.update_weights_from_tensor(_buckets(new_weights_path)[0].payload(), load_format="flattened_bucket")
-    expected = {n: p for n, p in reference.engine.model_runner.model.named_parameters()}
+    assert answers[failing].status_code == 400, answers[failing].text
+    for later in answers[failing + 1:]:
+        assert later.status_code == 409 and f"request {failing} of this push failed" in later.text, later.text
+    reference = LLM(tiny_model_path, **ENGINE)  # the old weights with the requests before the failed one
+    for bucket in _buckets(new_weights_path)[:failing]:
+        reference.update_weights_from_tensor(bucket.payload(), load_format="flattened_bucket")
+    expected = dict(reference.engine.model_runner.model.named_parameters())
     after = _weights(server)
-    assert any(not torch.equal(after[n], before[n]) for n in after)  # request 0 landed
-    assert all(torch.equal(after[n], expected[n]) for n in after)  # and nothing after request 1
+    assert all(torch.equal(after[n], expected[n]) for n in after)
+    assert any(not torch.equal(after[n], before[n]) for n in after) == (failing > 0)
     assert receiver_of(server.llm.engine)._staged == []
+
+
+def test_requests_queued_behind_a_failing_copy_write_nothing(server, tiny_model_path, new_weights_path, old_weights):
+    """Deterministic: the engine thread is held while request 0 (non-finite, run on the engine thread) and
+    requests 1-3 (staged) are queued behind it; then request 0 fails and 1-3, already queued, write nothing."""
+    buckets = _buckets(new_weights_path)[:4]
+    _non_finite(buckets[0])
+    before, release = _weights(server), threading.Event()
+    engine = server.state.engine
+    asyncio.run_coroutine_threadsafe(_hold(engine, release), engine._loop)
+    with ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(_post, server, buckets[0].payload(), "queued", 0)]
+        wait_for(lambda: server.state.weights is not None and "queued" in server.state.weights._pushes, 30, "request 0")
+        order = server.state.weights._pushes["queued"]
+        wait_for(lambda: order.next == 1, 30, "request 0 queued")
+        answers += [pool.submit(_post, server, b.payload(), "queued", i) for i, b in enumerate(buckets) if i]
+        wait_for(lambda: order.next == 4, 30, "requests 1-3 staged and queued")
+        assert len(receiver_of(server.llm.engine)._staged) == 3
+        release.set()
+        answers = [a.result() for a in answers]
+    assert answers[0].status_code == 400 and "non-finite" in answers[0].text, answers[0].text
+    assert all(a.status_code == 409 and "request 0 of this push failed" in a.text for a in answers[1:])
+    assert all(torch.equal(before[n], p) for n, p in _weights(server).items())
+    assert receiver_of(server.llm.engine)._staged == []
+
+
+async def _hold(engine, release: threading.Event) -> None:
+    """Keep the engine thread busy until `release` is set."""
+    await engine.call(release.wait, 60)
 
 
 def test_a_failed_push_after_a_level_2_sleep_never_serves_and_the_next_push_lands(server, new_weights_path, expected,

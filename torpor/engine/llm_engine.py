@@ -494,10 +494,10 @@ class LLMEngine:
             self._stop_if_weights_invalid()
         self._weights_restored()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], sources_checked: bool = False) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], staged: bool = False) -> int:
         """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's
         push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count.
-        `sources_checked`: see `loader.check_update`."""
+        `staged`: see `loader.check_update`."""
         with phase("prepare"):
             self._weights_awake("update_weights")
             self.mark_weights_dirty()
@@ -508,7 +508,7 @@ class LLMEngine:
             # The RoPE table lives with the weights: only a level-2 discard (which sets weights_discarded until
             # a complete update or reload) can have wiped it, so an update of intact weights leaves it be.
             count = self.model_runner.update_weights(named_tensors, strict=strict, reset_buffers=discarded,
-                                                     sources_checked=sources_checked)
+                                                     staged=staged)
         finally:
             with phase("state"):
                 self._stop_if_weights_invalid()

@@ -198,18 +198,17 @@ class ModelRunner:
             load_weights(self.model, path, self.staging)
 
     def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True,
-                       sources_checked: bool = False) -> int:
+                       staged: bool = False) -> int:
         """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table unless
         `reset_buffers` is False (the caller knows the table is intact, or recomputes it once at the end of
         a push in buckets: `reset_buffers()`). A list or tuple is validated whole (names, shapes, dtypes,
         finite values) before anything is written; a stream (any other iterable) is checked tensor by
         tensor, so a bad one midway leaves a mix: `weights_valid` is then False until a complete update or
-        a reload. `sources_checked`: see `loader.check_update` (a list's names, shapes and dtypes were checked
-        against this model already)."""
+        a reload. `staged`: see `loader.check_update` (a list checked by `loader.check_staged` already)."""
         with self.engine_stream.scope():
             whole = isinstance(named_tensors, list | tuple)
             if whole:
-                check_update(self.model, named_tensors, strict, sources_checked)
+                check_update(self.model, named_tensors, strict, staged)
             with self._writing_weights():
                 with phase("copy"):
                     count = load_named_tensors(self.model, named_tensors, strict=strict, values_checked=whole)
@@ -223,9 +222,9 @@ class ModelRunner:
         with self.engine_stream.scope(), phase("buffers"):
             self.model.reset_buffers()
 
-    def check_update(self, named_tensors, strict: bool, sources_checked: bool = False) -> None:
+    def check_update(self, named_tensors, strict: bool, staged: bool = False) -> None:
         """Validate a whole update (a list) against this rank's model without writing anything."""
-        check_update(self.model, named_tensors, strict, sources_checked)
+        check_update(self.model, named_tensors, strict, staged)
 
     @contextlib.contextmanager
     def _writing_weights(self) -> Iterator[None]:

@@ -92,13 +92,13 @@ class ParallelModelRunner:
         self._everywhere("reload_weights", (path,), lambda: self.local.reload_weights(path))
 
     def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True,
-                       sources_checked: bool = False) -> int:
+                       staged: bool = False) -> int:
         """Every rank receives every tensor (it keeps its shard), streamed one at a time: its name through
         the pipes, its data broadcast over the process group from rank 0's device. `reset_buffers` and
-        `sources_checked`: as `ModelRunner.update_weights`, on every rank."""
+        `staged`: as `ModelRunner.update_weights`, on every rank."""
         conns = self.workers.conns
         if isinstance(named_tensors, list | tuple):  # the whole update, before any rank writes
-            self.local.check_update(named_tensors, strict, sources_checked)
+            self.local.check_update(named_tensors, strict, staged)
 
         def local() -> int:
             try:

@@ -586,28 +586,29 @@ class WeightReceiver:
         try:
             with phase("check"):
                 self.manifest.check(named_tensors)
-            return self._copy(named_tensors, flush_cache, sources_checked=False)
+            return self._copy(named_tensors, flush_cache, staged=False)
         finally:
             with phase("release"):
                 release_transfer_memory(named_tensors)
 
-    def _copy(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool, sources_checked: bool) -> int:
+    def _copy(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool, staged: bool) -> int:
         names = [name for name, _ in named_tensors]
         runner = self.engine.model_runner
         if self.discarded:  # part of the set: the engine's own path would want every tensor at once; the
             # RoPE table is recomputed once, when the set is complete (`commit`)
             return self.commit(names, lambda: runner.update_weights(named_tensors, strict=False, reset_buffers=False,
-                                                                    sources_checked=sources_checked), flush_cache)
-        return self.commit(names, lambda: self.engine.update_weights(named_tensors, sources_checked=sources_checked),
+                                                                    staged=staged), flush_cache)
+        return self.commit(names, lambda: self.engine.update_weights(named_tensors, staged=staged),
                            flush_cache)
 
     # ---- a push in flight: opened and checked off the engine thread, copied on it ----------------------
     def stage(self, serialized: Sequence[str], load_format: str | None) -> StagedUpdate:
-        """Any thread but the engine's (TP=1): open one request's payload and check it (the weights awake,
-        every name / shape / dtype against the manifest and the model) while the engine thread copies the
-        previous one; `apply_staged` then copies it on the engine thread. CUDA tensors are opened on this
-        thread's current stream (the trainer's IPC event is waited for there): the staged update carries an
-        event recorded after them, which the engine's stream waits for before reading them."""
+        """Any thread but the engine's (TP=1): open one request's payload and check it — the weights awake, every
+        name / shape / dtype against the manifest and the model (the meta dry run), the finite values — while the
+        engine thread copies the previous one; `apply_staged` then copies it on the engine thread. CUDA tensors
+        are opened on this thread's current stream (the trainer's IPC event is waited for there, and the finite
+        check runs there): the staged update carries an event recorded after them, which the engine's stream
+        waits for before reading them."""
         with phase_times.collect() as timings, self.gate:
             self.check_weights_awake("update_weights_from_tensor")  # before any handle is opened
             device = self.engine.model_runner.device
@@ -615,12 +616,11 @@ class WeightReceiver:
                 torch.cuda.set_device(device)  # this thread's CUDA calls (IPC opens, range checks) go there
             pairs = self.decode(serialized, load_format)
             try:
-                from torpor.engine.loader import check_sources
+                from torpor.engine.loader import check_staged
 
                 with phase("check"):
                     self.manifest.check(pairs)
-                with phase("plan"):
-                    check_sources(_model(self.engine), ((n, t.shape, t.dtype) for n, t in pairs), strict=False)
+                check_staged(_model(self.engine), pairs)  # the meta dry run and the finite values (this stream)
                 staged = StagedUpdate(pairs, _ready_event(device), timings)
             except BaseException:
                 release_transfer_memory(pairs)
@@ -630,9 +630,9 @@ class WeightReceiver:
         return staged
 
     def apply_staged(self, staged: StagedUpdate, flush_cache: bool = True) -> int:
-        """Engine thread: copy a staged update (checked by `stage`; only the values are checked here, and the
-        coverage when the engine needs a whole set), then release it. One dropped by a sleep meanwhile, or
-        with the weights asleep now, is a 409 and writes nothing."""
+        """Engine thread: copy a staged update (checked by `stage`; the coverage is checked here when the engine
+        needs a whole set), synchronize, then release it. One dropped by a sleep meanwhile, or with the weights
+        asleep now, is a 409 and writes nothing."""
         try:
             with self._staged_lock:
                 if staged in self._staged:
@@ -642,7 +642,7 @@ class WeightReceiver:
             self.check_weights_awake("update_weights_from_tensor")
             if staged.ready is not None:  # the tensors were opened on another thread's stream
                 torch.cuda.current_stream(self.engine.model_runner.device).wait_event(staged.ready)
-            return self._copy(staged.pairs, flush_cache, sources_checked=True)
+            return self._copy(staged.pairs, flush_cache, staged=True)
         finally:
             with phase("release"):
                 release_transfer_memory(staged.pairs)
