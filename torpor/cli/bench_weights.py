@@ -151,7 +151,8 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
               "push_one_request_s": _median(single)}
     for d, figures in by_depth.items():
         print(f"serve push, {d} in flight: {figures['push_s']:.4f} s ({figures['push_gbps']:.1f} GB/s, "
-              f"{figures['buckets']} buckets; the engine thread busy {figures['push_engine_s']:.4f} s of it)")
+              f"{figures['buckets']} buckets, {figures['staged']:g} of {figures['requests']} requests staged off the "
+              f"engine thread; the engine thread busy {figures['push_engine_s']:.4f} s of it)")
         print(f"serve push, {d} in flight, per request: {format_phases(figures['push_phases_ms_per_request'])}")
     print(f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
@@ -161,7 +162,7 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
 def _push_figures(reports) -> dict:
     push_s = _median([p.seconds for p in reports])
     return {"push_s": push_s, "push_gbps": reports[0].bytes / push_s / GB, "buckets": reports[0].buckets,
-            "requests": reports[0].requests,
+            "requests": reports[0].requests, "staged": _median([p.staged for p in reports]),
             "push_engine_s": _median([p.engine_phases.get("total", p.engine_seconds) for p in reports]),
             "push_phases_ms_per_request": phases_per_request(reports)}
 
@@ -177,7 +178,7 @@ def phases_per_request(reports) -> dict[str, float]:
     per = {name: _median([r.engine_phases.get(name, 0.0) * 1e3 / max(r.requests, 1) for r in reports])
            for name in names}
     total = _median([r.engine_phases.get("total", r.engine_seconds) * 1e3 / max(r.requests, 1) for r in reports])
-    per["other"] = max(0.0, total - sum(v for n, v in per.items() if not n.startswith("stage")))
+    per["other"] = max(0.0, total - sum(v for n, v in per.items() if _phase_of(n) == n and not n.startswith("stage")))
     per["engine"] = total
     per["idle"] = _median([(r.seconds - r.engine_phases.get("total", r.engine_seconds)) * 1e3 / max(r.requests, 1)
                            for r in reports])
@@ -189,22 +190,39 @@ def phases_per_request(reports) -> dict[str, float]:
 PHASE_ORDER = ("decode", "check", "plan", "prepare", "finite", "copy", "buffers", "sync", "sentinel", "state",
                "release", "other")
 SUMMARY = ("engine", "idle", "handler", "push", "stage")
+# Parts of "decode" (timed inside it, so not added again): the mapped files or opened IPC handles, the CUDA IPC
+# range checks, the bucket's views.
+SUBPHASES = {"open": "decode", "range": "decode", "views": "decode"}
+
+
+def _phase_of(name: str) -> str:
+    """The phase `name` is counted in: itself, or the phase it is part of ("open" -> "decode")."""
+    prefix = "stage_" if name.startswith("stage_") else ""
+    base = name.removeprefix(prefix)
+    return prefix + SUBPHASES[base] if base in SUBPHASES else name
 
 
 def format_phases(per: dict[str, float]) -> str:
     """'decode 0.31 + check 0.02 + ... = engine 1.20 ms; staged off the engine thread: ...; idle 0.80 ms; ...'
     (known phases first)."""
-    engine = [n for n in per if not n.startswith("stage") and n not in SUMMARY]
+    engine = [n for n in per if not n.startswith("stage") and n not in SUMMARY and _phase_of(n) == n]
     names = [n for n in PHASE_ORDER if n in engine] + sorted(set(engine) - set(PHASE_ORDER))
-    text = " + ".join(f"{n} {per[n]:.3f}" for n in names) + f" = engine thread {per.get('engine', 0.0):.3f} ms"
-    staged = [n for n in per if n.startswith("stage_")]
+    text = " + ".join(_with_parts(per, n) for n in names) + f" = engine thread {per.get('engine', 0.0):.3f} ms"
+    staged = [n for n in per if n.startswith("stage_") and _phase_of(n) == n]
     if staged:
-        text += ("; staged off the engine thread: " + " + ".join(f"{n[6:]} {per[n]:.3f}" for n in sorted(staged))
+        text += ("; staged off the engine thread: " + " + ".join(_with_parts(per, n, "stage_") for n in sorted(staged))
                  + f" = stage {per.get('stage', 0.0):.3f} ms")
     if "push" in per:
         text += (f"; engine thread idle {per['idle']:.3f} ms; handler latency {per['handler']:.3f} ms; "
                  f"whole push {per['push']:.3f} ms")
     return text
+
+
+def _with_parts(per: dict[str, float], name: str, prefix: str = "") -> str:
+    """'decode 2.40 (open 0.27, views 0.20)': a phase with the parts timed inside it."""
+    parts = [n for n in per if n != name and _phase_of(n) == name]
+    inner = f" ({', '.join(f'{n.removeprefix(prefix)} {per[n]:.3f}' for n in sorted(parts))})" if parts else ""
+    return f"{name.removeprefix(prefix)} {per[name]:.3f}{inner}"
 
 
 def bench_in_process(model: str, device: str, tensors, args) -> dict:
@@ -332,8 +350,8 @@ def print_summary(results: dict) -> None:
     print(f"push (update_weights_from_tensor, trainer process, {serve['in_flight']} in flight) {serve['push_s']:.4f} s"
           f"  {serve['push_gbps']:.1f} GB/s  (goal ≤ 0.1 s for qwen3-8b)")
     for depth, figures in serve["by_in_flight"].items():
-        print(f"push, {figures['requests']} requests, {depth} in flight: {figures['push_s']:.4f} s; per request (ms): "
-              f"{format_phases(figures['push_phases_ms_per_request'])}")
+        print(f"push, {figures['requests']} requests, {depth} in flight ({figures['staged']:g} staged): "
+              f"{figures['push_s']:.4f} s; per request (ms): {format_phases(figures['push_phases_ms_per_request'])}")
     print(f"push, every bucket in one request {serve['push_one_request_s']:.4f} s  "
           f"{results['bytes'] / serve['push_one_request_s'] / GB:.1f} GB/s")
     print(f"(waited {serve['host_reservation_wait_s']:.2f} s for the engine's host-copy reservation before timing)")

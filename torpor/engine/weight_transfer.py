@@ -226,7 +226,8 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise RefusedPickle(f"shared-memory file {handle} holds {available} bytes, the payload claims {nbytes}")
         self._count(nbytes)
         real_cls = torch.TypedStorage if cls is _TYPED else torch.UntypedStorage
-        return rebuild_storage_filename(real_cls, manager.encode(), handle.encode(), size, dtype)
+        with phase("open"):  # inside "decode": the shared-memory file mapped
+            return rebuild_storage_filename(real_cls, manager.encode(), handle.encode(), size, dtype)
 
     def _rebuild_typed_storage(self, storage, dtype):
         if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
@@ -262,10 +263,12 @@ class RestrictedUnpickler(pickle._Unpickler):
                              "on CPU send tensors in shared memory (sharing strategy 'file_system')")
         self._count(storage_bytes)
         self._counted_tensor()
-        tensor = rebuild_cuda_tensor(torch.Tensor, size, stride, offset, torch.TypedStorage, dtype, device, handle,
-                                     storage_bytes, storage_offset_bytes, False, ref_handle, ref_offset,
-                                     event_handle, bool(event_sync))
-        _check_cuda_range(tensor, storage_bytes, storage_offset_bytes)
+        with phase("open"):  # inside "decode": the IPC handle opened (and the trainer's event waited for)
+            tensor = rebuild_cuda_tensor(torch.Tensor, size, stride, offset, torch.TypedStorage, dtype, device,
+                                         handle, storage_bytes, storage_offset_bytes, False, ref_handle, ref_offset,
+                                         event_handle, bool(event_sync))
+        with phase("range"):  # inside "decode"
+            _check_cuda_range(tensor, storage_bytes, storage_offset_bytes)
         return tensor
 
     def _counted_tensor(self) -> None:
@@ -577,7 +580,10 @@ class WeightReceiver:
             raise ValueError(f"serialized_named_tensors must be a list of 1 or tensor_parallel_size ({tp}) "
                              f"base64 strings, got {_describe(serialized)}")
         with phase("decode"):
-            pairs = named_tensors_of(unpickle_payload(serialized[0], self.manifest.max_bytes), load_format)
+            payload = unpickle_payload(serialized[0], self.manifest.max_bytes)
+            with phase("views"):  # inside "decode": the bucket's (name, view) pairs, their metadata checked
+                pairs = named_tensors_of(payload, load_format)
+            del payload
         return pairs
 
     def apply(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> int:

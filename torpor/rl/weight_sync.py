@@ -79,6 +79,7 @@ class PushReport:
     engine_phases: dict[str, float] = field(default_factory=dict)
     in_flight: int = 1
     handler_seconds: list[float] = field(default_factory=list)  # each request's, in order
+    staged: int = 0  # requests the engine opened and checked off its engine thread (they found another in flight)
 
     @property
     def gbps(self) -> float:
@@ -242,8 +243,10 @@ class WeightPusher:
         """Wait for one request's answer (its exception, if it failed) and count it."""
         result = answer.result()
         report.engine_seconds += float(result.get("seconds") or 0.0)
-        for phase, seconds in (result.get("timings") or {}).items():
+        timings = result.get("timings") or {}
+        for phase, seconds in timings.items():
             report.engine_phases[phase] = report.engine_phases.get(phase, 0.0) + float(seconds)
+        report.staged += "stage" in timings
         report.requests += 1
         report.handler_seconds.append(float(result.get("seconds") or 0.0))
         report.bytes += sum(b.nbytes for b in buckets)

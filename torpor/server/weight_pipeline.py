@@ -173,13 +173,14 @@ class WeightPipeline:
             try:
                 await order.wait_turn(index, TURN_TIMEOUT_S)
             except (TimeoutError, ValueError) as exc:
-                reason = (f"request {index - 1} of this push never came within {TURN_TIMEOUT_S:g} s"
-                          if isinstance(exc, TimeoutError) else str(exc))
-                order.fail(index, reason)
-                await order.pass_turn(index)
                 if staged is not None:
                     self.engine.submit(weight_transfer.receiver_of(self.engine.engine).discard_staged, staged)
-                raise (RuntimeError(reason) if isinstance(exc, TimeoutError) else exc) from None
+                if isinstance(exc, ValueError):  # a repeated index: refused, the push goes on (not its turn)
+                    raise
+                reason = f"request {index - 1} of this push never came within {TURN_TIMEOUT_S:g} s"
+                order.fail(index, reason)
+                await order.pass_turn(index)
+                raise RuntimeError(reason) from None
         try:
             future = self.engine.submit(_timed, fn, order, index, *args)
         finally:

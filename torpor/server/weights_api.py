@@ -11,7 +11,10 @@ The payloads are unpickled by a restricted unpickler (torch tensors and storages
 torpor/engine/weight_transfer.py); anything else is a 400 and is never called. Weights asleep: 409.
 Success answers `{"success": true, "message", "num_tensors", "seconds", "is_sleeping", "serving"}`;
 `update_weights_from_tensor` adds `timings` (torpor's extension): the engine thread's seconds per phase
-(decode, check, plan, finite, copy, sync, release, ..., total), which `torpor bench weights` prints.
+(decode, check, plan, finite, copy, sync, release, ..., total) and, for a request staged off the engine
+thread, the staging thread's (stage_decode, ..., stage), which `torpor bench weights` prints. torpor's optional
+headers `X-Torpor-Push-Id` / `X-Torpor-Push-Index` make requests one push: applied in index order, none after
+the first that failed (weight_pipeline.py).
 """
 
 from __future__ import annotations
