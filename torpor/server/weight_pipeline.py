@@ -1,10 +1,11 @@
 """Pushes in flight: `POST /update_weights_from_tensor` requests overlap without giving up their order.
 
-A request's payload is opened and checked off the engine thread (`WeightReceiver.stage`: base64, the restricted
-unpickler, the shared-memory files or CUDA IPC handles, every name / shape / dtype against the manifest and the
-model) on one staging thread, while the engine thread copies the previous request; the engine thread then does
-only the copy (with the finite check) and the release (`WeightReceiver.apply_staged`). Commands reach the
-engine thread in the order they are queued, and a request is queued only when it is its turn:
+A request that arrives while another is in flight is opened and checked off the engine thread, on one staging
+thread (`WeightReceiver.stage`: base64, the restricted unpickler, the shared-memory files or CUDA IPC handles,
+every name / shape / dtype against the manifest and the model, the finite values), while the engine thread copies
+the previous request; the engine thread then does only the copy, the synchronization and the release
+(`WeightReceiver.apply_staged`). A request that finds none in flight runs wholly on the engine thread, as before.
+Commands reach the engine thread in the order they are queued, and a request is queued only when it is its turn:
 
 - Without torpor's push headers (any SGLang client) a request is queued once staged, in the order the requests
   were staged (one staging thread, first come first served) — one at a time, as before, for a client that
