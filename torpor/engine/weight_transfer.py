@@ -563,6 +563,7 @@ class WeightReceiver:
         self.gate = threading.Lock()
         self._staged: list[StagedUpdate] = []  # opened, waiting for their copy (dropped by a sleep)
         self._staged_lock = threading.Lock()
+        self._stage_stream = None  # EngineStream of the staging thread (CUDA), made on the first staged request
 
     def check_weights_awake(self, what: str) -> None:
         memory = self.engine.memory
@@ -618,22 +619,38 @@ class WeightReceiver:
         with phase_times.collect() as timings, self.gate:
             self.check_weights_awake("update_weights_from_tensor")  # before any handle is opened
             device = self.engine.model_runner.device
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # this thread's CUDA calls (IPC opens, range checks) go there
-            pairs = self.decode(serialized, load_format)
-            try:
-                from torpor.engine.loader import check_staged
-
-                with phase("check"):
-                    self.manifest.check(pairs)
-                check_staged(_model(self.engine), pairs)  # the meta dry run and the finite values (this stream)
-                staged = StagedUpdate(pairs, _ready_event(device), timings)
-            except BaseException:
-                release_transfer_memory(pairs)
-                raise
+            with self._staging_stream(device):
+                staged = self._open_and_check(serialized, load_format, device, timings)
             with self._staged_lock:
                 self._staged.append(staged)
         return staged
+
+    def _open_and_check(self, serialized: Sequence[str], load_format: str | None, device: torch.device,
+                        timings: dict[str, float]) -> StagedUpdate:
+        pairs = self.decode(serialized, load_format)
+        try:
+            from torpor.engine.loader import check_staged
+
+            with phase("check"):
+                self.manifest.check(pairs)
+            check_staged(_model(self.engine), pairs)  # the meta dry run and the finite values (this stream)
+            return StagedUpdate(pairs, _ready_event(device), timings)
+        except BaseException:
+            release_transfer_memory(pairs)
+            raise
+
+    def _staging_stream(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """CUDA: the engine's device and a stream of the staging thread's own, made through the driver as the
+        engine's is (no PyTorch stream pool): its IPC event waits and finite checks neither queue behind the
+        engine's copies nor hold them up, as the threads' shared default stream would. CPU: nothing."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        torch.cuda.set_device(device)  # this thread's CUDA calls (IPC opens, range checks) go there
+        if self._stage_stream is None:
+            from torpor.engine.engine_stream import EngineStream
+
+            self._stage_stream = EngineStream(device)  # kept with the receiver (streams are never destroyed)
+        return torch.cuda.stream(self._stage_stream.stream)
 
     def apply_staged(self, staged: StagedUpdate, flush_cache: bool = True) -> int:
         """Engine thread: copy a staged update (checked by `stage`; the coverage is checked here when the engine
