@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,7 @@ class PushPosition:
     index: int
 
 
-def push_position(headers) -> PushPosition | None:
+def push_position(headers: Mapping[str, str]) -> PushPosition | None:
     """The push headers of a request, None without them; ValueError (a 400) when malformed."""
     push_id, index = headers.get(PUSH_ID_HEADER), headers.get(PUSH_INDEX_HEADER)
     if push_id is None and index is None:
@@ -168,7 +169,8 @@ class WeightPipeline:
                 await self._skip_turn(order, index)
             raise
 
-    async def _in_turn(self, order: PushOrder | None, index: int, fn, *args, staged=None):
+    async def _in_turn(self, order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any,
+                       staged: weight_transfer.StagedUpdate | None = None) -> tuple[int, dict[str, float]]:
         """Queue `fn(order, index, *args)` for the engine thread once it is this request's turn; its result."""
         if order is not None:
             try:
@@ -195,7 +197,8 @@ class WeightPipeline:
             await order.wait_turn(index, TURN_TIMEOUT_S)
         await order.pass_turn(index)
 
-    def _discard(self, receiver: weight_transfer.WeightReceiver, future) -> None:
+    def _discard(self, receiver: weight_transfer.WeightReceiver, future: asyncio.Future) -> None:
+        """The staged update of a handler that went away, released on the engine thread."""
         if not future.cancelled() and future.exception() is None:
             self.engine.submit(receiver.discard_staged, future.result())
 
@@ -219,7 +222,7 @@ class WeightPipeline:
                         load_format, flush_cache)
 
 
-def _failing(order: PushOrder | None, index: int, fn, *args) -> int:
+def _failing(order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any) -> int:
     """`fn(*args)`; when it raises, the push fails from request `index` on."""
     try:
         return fn(*args)
@@ -229,7 +232,7 @@ def _failing(order: PushOrder | None, index: int, fn, *args) -> int:
         raise
 
 
-def _timed(fn, *args) -> tuple[Any, dict[str, float]]:
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, float]]:
     """`fn(*args)` in the engine thread, with the seconds of each phase it marked (`phase_times`)."""
     with phase_times.collect() as timings:
         result = fn(*args)
