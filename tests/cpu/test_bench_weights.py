@@ -1,5 +1,5 @@
 """`torpor bench weights` on CPU (tiny model): a real `torpor serve` engine, pushes from this process through
-shared memory, the RL-step cycle, and the side-by-side figures, written to JSON."""
+shared memory with 1 and 2 requests in flight, the RL-step cycle, and the side-by-side figures, written to JSON."""
 
 import json
 import os
@@ -24,5 +24,9 @@ def test_bench_weights_on_cpu(tmp_path, tiny_model_path):
     assert serve["answers_unchanged"]  # the same weights pushed back (and after the RL cycle) answer the same
     assert serve["push_s"] > 0 and serve["push_one_request_s"] > 0 and serve["reload_weights_s"] > 0
     assert set(serve["rl_step"]) == {"sleep", "wake_weights", "push", "wake_kv", "total"}
+    assert set(serve["by_in_flight"]) == {"1", "2"} and serve["in_flight"] == 2  # depths side by side
+    for figures in serve["by_in_flight"].values():
+        assert {"engine", "other", "idle", "handler", "push", "copy"} <= set(figures["push_phases_ms_per_request"])
+    assert "1 in flight" in result.stdout and "2 in flight" in result.stdout
     assert results["in_process"]["update_weights_s"] > 0
     assert "RL step: sleep L2" in result.stdout

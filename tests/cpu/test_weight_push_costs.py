@@ -5,8 +5,10 @@
 - the finite check batched per dtype still names the first non-finite tensor of a mixed-dtype update;
 - the RoPE table (not in checkpoints) is recomputed once a level-2 push in buckets completes, on every rank,
   and a push into intact weights leaves it as it is;
-- `WeightPusher` builds the next request while the previous one is in flight, but sends them one at a time,
-  in order, sends nothing after a failure, and reports the engine's time per phase.
+- `WeightPusher(in_flight=1)` builds the next request while the previous one is in flight, but sends them one
+  at a time, in order, sends nothing after a failure, and reports the engine's time per phase; with
+  `in_flight=2` two requests are in flight, never three, nothing is sent after a failure and the error is
+  raised once the request still in flight answered (its bucket referenced until then).
 """
 
 import threading
@@ -123,10 +125,11 @@ class _Server:
         self.overlapping = False
         self.built = threading.Event()  # set when the pusher serializes its second request
 
-    def post(self, path: str, json: dict) -> _Response:
+    def post(self, path: str, json: dict, headers: dict) -> _Response:
         self.active += 1
         self.overlapping |= self.active > 1
         index = len(self.bodies)
+        assert headers["X-Torpor-Push-Index"] == str(index)
         self.bodies.append(json)
         if index == 0:
             assert self.built.wait(30), "the next request was not built while the first was in flight"
@@ -168,7 +171,7 @@ def _tensors(count: int) -> list[tuple[str, torch.Tensor]]:
 def test_requests_go_one_at_a_time_in_order_while_the_next_is_built(fake_serialize):
     server = _Server()
     fake_serialize(server)
-    pusher = WeightPusher("http://engine", "token", bucket_bytes=16)  # 16 bytes: one tensor per bucket
+    pusher = WeightPusher("http://engine", "token", bucket_bytes=16, in_flight=1)  # 16 bytes: a tensor a bucket
     pusher.http = server
     report = pusher.push(_tensors(5))
     assert [b["serialized_named_tensors"] for b in server.bodies] == [[f"t{i}"] for i in range(5)]
@@ -181,7 +184,7 @@ def test_requests_go_one_at_a_time_in_order_while_the_next_is_built(fake_seriali
 def test_nothing_is_sent_after_a_failed_request(fake_serialize):
     server = _Server(fail_at=1)
     fake_serialize(server)
-    pusher = WeightPusher("http://engine", "token", bucket_bytes=16)
+    pusher = WeightPusher("http://engine", "token", bucket_bytes=16, in_flight=1)
     pusher.http = server
     with pytest.raises(RuntimeError, match=r"update_weights_from_tensor failed \(400\)"):
         pusher.push(_tensors(6))
@@ -195,3 +198,54 @@ def test_an_in_process_push_reports_the_engines_phases(tiny_model_path, new_weig
     assert report.requests == report.buckets > 1
     assert {"decode", "check", "plan", "finite", "copy", "sync", "release", "total"} <= set(report.engine_phases)
     assert _answers(llm) == expected
+
+
+class _DeepServer:
+    """Stands in for the engine's HTTP endpoint for a pusher with 2 requests in flight: each request holds its
+    answer until the next one arrived (or 0.3 s passed), so two are in flight; records what was in flight when
+    each came and can make one fail."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.lock = threading.Lock()
+        self.arrived: list[threading.Event] = [threading.Event() for _ in range(64)]
+        self.answered: set[int] = set()
+        self.in_flight_at_arrival: list[int] = []
+        self.fail_at = fail_at
+
+    def post(self, path: str, json: dict, headers: dict) -> _Response:
+        index = int(headers["X-Torpor-Push-Index"])
+        with self.lock:
+            self.in_flight_at_arrival.append(index - len(self.answered))
+            assert index - 2 in self.answered or index < 2, f"request {index} sent before request {index - 2}'s answer"
+        self.arrived[index].set()
+        self.arrived[index + 1].wait(0.3)
+        with self.lock:
+            self.answered.add(index)
+        if index == self.fail_at:
+            return _Response(400, {"error": {"message": "refused"}})
+        return _Response(200, {"seconds": 0.001, "timings": {"copy": 0.0005, "total": 0.001, "stage": 0.0002}})
+
+    def close(self) -> None:
+        pass
+
+
+def test_two_requests_in_flight_and_no_third(monkeypatch):
+    monkeypatch.setattr(weight_sync, "serialize", lambda payload: ",".join(n for n, *_ in payload["metadata"]))
+    server = _DeepServer()
+    pusher = WeightPusher("http://engine", "token", bucket_bytes=16, in_flight=2)
+    pusher.http = server
+    report = pusher.push(_tensors(6))
+    assert (report.requests, report.in_flight, report.staged) == (6, 2, 6)
+    assert max(server.in_flight_at_arrival) == 1  # one in flight when the next came: two at once, never three
+    assert report.handler_seconds == [0.001] * 6
+
+
+def test_after_a_failure_in_flight_nothing_more_is_sent_and_the_error_waits_for_the_rest(monkeypatch):
+    monkeypatch.setattr(weight_sync, "serialize", lambda payload: ",".join(n for n, *_ in payload["metadata"]))
+    server = _DeepServer(fail_at=1)
+    pusher = WeightPusher("http://engine", "token", bucket_bytes=16, in_flight=2)
+    pusher.http = server
+    with pytest.raises(RuntimeError, match=r"update_weights_from_tensor failed \(400\)"):
+        pusher.push(_tensors(6))
+    assert server.answered == {0, 1, 2}  # request 2 was in flight when 1 failed; it answered before the raise
+    assert not server.arrived[3].is_set()

@@ -32,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-mb", type=float, default=512, help="flattened bucket size (MiB; fractions allowed, "
                    "e.g. 0.25 to make the per-bucket costs of a small model visible)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--in-flight", default="1,2", help="requests a push keeps in flight, each depth measured "
+                   "(alternated push by push); the last one also drives the RL step (default 1,2)")
     p.add_argument("--distributed", action="store_true", help="also the NCCL path, trainer on the next GPU")
     p.add_argument("--skip-in-process", action="store_true", help="skip the in-process LLM comparison")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -85,16 +87,45 @@ def _greedy(engine) -> list[int]:
     return engine.post("/v1/completions", json=body)["choices"][0]["token_ids"]
 
 
+def _depths(args: argparse.Namespace) -> list[int]:
+    depths = [int(d) for d in str(args.in_flight).split(",") if d.strip()]
+    if not depths or min(depths) < 1:
+        raise ValueError(f"--in-flight takes depths >= 1 separated by commas, got {args.in_flight!r}")
+    return depths
+
+
+def wait_for_host_reservation(engine, timeout: float = 600.0) -> float:
+    """Seconds waited until the engine's background host-copy reservation ended (pinning ~16 GB for an 8B model
+    takes seconds and may stall the driver calls a push makes: measured pushes must not overlap it)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        reservation = engine.http.get("/memory").json().get("host_reservation")
+        if reservation is None or reservation.get("done"):
+            break
+        time.sleep(0.1)
+    return time.perf_counter() - start
+
+
 def bench_serve(model: str, device: str, tensors, args) -> dict:
-    """The engine as a `torpor serve` process on the same device; this process pushes."""
+    """The engine as a `torpor serve` process on the same device; this process pushes, with each in-flight
+    depth of `--in-flight` in turn (alternated, so drifting load hits every depth alike)."""
     from torpor.rl import WeightPusher
     from torpor.rl.engine_process import EngineProcess
 
+    depths = _depths(args)
     with EngineProcess(model, _serve_args(device)) as engine:
-        pusher = WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args))
+        waited = wait_for_host_reservation(engine)
+        print(f"serve: waited {waited:.2f} s for the engine's host-copy reservation to end", flush=True)
+        pushers = {d: WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args), in_flight=d)
+                   for d in depths}
+        pusher = pushers[depths[-1]]
         before = _greedy(engine)
-        pusher.push(tensors)  # warm-up (first IPC opens, code paths)
-        pushes = [pusher.push(tensors) for _ in range(args.repeat)]
+        for p in pushers.values():
+            p.push(tensors)  # warm-up (first IPC opens, code paths)
+        pushes: dict[int, list] = {d: [] for d in depths}
+        for _ in range(args.repeat):
+            for d, p in pushers.items():
+                pushes[d].append(p.push(tensors))
         one_request = WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args),
                                    buckets_per_request=1 << 20)  # every bucket in one request (torpor's extension)
         one_request.push(tensors)
@@ -110,49 +141,88 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
                           "total": sleep + wake_weights + push + wake_kv})
         after_cycle = _greedy(engine) == before
         reloads = [engine.timed("/reload_weights") for _ in range(min(2, args.repeat))]
-        pusher.close()
-        one_request.close()
-    push_s = _median([p.seconds for p in pushes])
-    result = {"push_s": push_s, "push_gbps": pushes[0].bytes / push_s / GB, "buckets": pushes[0].buckets,
-              "push_engine_s": _median([p.engine_seconds for p in pushes]),
-              "push_phases_ms_per_request": phases_per_request(pushes),
+        for p in (*pushers.values(), one_request):
+            p.close()
+    by_depth = {d: _push_figures(pushes[d]) for d in depths}
+    main = by_depth[depths[-1]]
+    result = {**main, "in_flight": depths[-1], "by_in_flight": by_depth, "host_reservation_wait_s": waited,
               "rl_step": {k: _median([s[k] for s in steps]) for k in steps[0]},
               "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle,
               "push_one_request_s": _median(single)}
-    print(f"serve push: {push_s:.4f} s ({result['push_gbps']:.1f} GB/s, {pushes[0].buckets} buckets; "
-          f"{result['push_engine_s']:.4f} s of it in the engine's handler); "
-          f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
+    for d, figures in by_depth.items():
+        print(f"serve push, {d} in flight: {figures['push_s']:.4f} s ({figures['push_gbps']:.1f} GB/s, "
+              f"{figures['buckets']} buckets, {figures['staged']:g} of {figures['requests']} requests staged off the "
+              f"engine thread; the engine thread busy {figures['push_engine_s']:.4f} s of it)")
+        print(f"serve push, {d} in flight, per request: {format_phases(figures['push_phases_ms_per_request'])}")
+    print(f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
-    print(f"serve push, engine per request: {format_phases(result['push_phases_ms_per_request'])}")
     return result
 
 
+def _push_figures(reports) -> dict:
+    push_s = _median([p.seconds for p in reports])
+    return {"push_s": push_s, "push_gbps": reports[0].bytes / push_s / GB, "buckets": reports[0].buckets,
+            "requests": reports[0].requests, "staged": _median([p.staged for p in reports]),
+            "push_engine_s": _median([p.engine_phases.get("total", p.engine_seconds) for p in reports]),
+            "push_phases_ms_per_request": phases_per_request(reports)}
+
+
 def phases_per_request(reports) -> dict[str, float]:
-    """Median milliseconds per request of each engine phase (`PushReport.engine_phases`), plus "other" (the
-    handler's time in no phase), "outside" (the push's time outside the engine's handler: bucketing,
-    pickling, HTTP; partly overlapped with the engine) and "push" (the whole push per request)."""
+    """Median milliseconds per request of each engine phase (`PushReport.engine_phases`): the engine thread's
+    phases, "other" (its time in no phase) and "engine" (its time in all); the staging thread's ("stage_decode",
+    ..., "stage": a request's time there, averaged over every request, staged or not; only requests that found
+    another in flight are staged); "idle" (the push's time per request the engine thread did not spend on it:
+    bucketing, pickling, HTTP, the staging not overlapped), "handler" (a request's latency in the server) and
+    "push" (the whole push per request)."""
     names = sorted({name for r in reports for name in r.engine_phases} - {"total"})
     per = {name: _median([r.engine_phases.get(name, 0.0) * 1e3 / max(r.requests, 1) for r in reports])
            for name in names}
     total = _median([r.engine_phases.get("total", r.engine_seconds) * 1e3 / max(r.requests, 1) for r in reports])
-    per["other"] = max(0.0, total - sum(per.values()))
+    per["other"] = max(0.0, total - sum(v for n, v in per.items() if _phase_of(n) == n and not n.startswith("stage")))
     per["engine"] = total
-    per["outside"] = _median([(r.seconds - r.engine_seconds) * 1e3 / max(r.requests, 1) for r in reports])
+    per["idle"] = _median([(r.seconds - r.engine_phases.get("total", r.engine_seconds)) * 1e3 / max(r.requests, 1)
+                           for r in reports])
+    per["handler"] = _median([r.engine_seconds * 1e3 / max(r.requests, 1) for r in reports])
     per["push"] = _median([r.seconds * 1e3 / max(r.requests, 1) for r in reports])
     return per
 
 
-PHASE_ORDER = ("decode", "check", "plan", "finite", "copy", "buffers", "sync", "sentinel", "release", "other")
+PHASE_ORDER = ("decode", "check", "plan", "prepare", "finite", "copy", "buffers", "sync", "sentinel", "state",
+               "release", "other")
+SUMMARY = ("engine", "idle", "handler", "push", "stage")
+# Parts of "decode" (timed inside it, so not added again): the mapped files or opened IPC handles, the CUDA IPC
+# range checks, the bucket's views.
+SUBPHASES = {"open": "decode", "range": "decode", "views": "decode"}
+
+
+def _phase_of(name: str) -> str:
+    """The phase `name` is counted in: itself, or the phase it is part of ("open" -> "decode")."""
+    prefix = "stage_" if name.startswith("stage_") else ""
+    base = name.removeprefix(prefix)
+    return prefix + SUBPHASES[base] if base in SUBPHASES else name
 
 
 def format_phases(per: dict[str, float]) -> str:
-    """'decode 0.31 + check 0.02 + ... = engine 1.20 ms; outside 0.80 ms; push 2.00 ms' (known phases first)."""
-    names = [n for n in PHASE_ORDER if n in per] + sorted(set(per) - set(PHASE_ORDER) - {"engine", "outside", "push"})
-    parts = " + ".join(f"{n} {per[n]:.3f}" for n in names)
-    text = f"{parts} = engine {per.get('engine', 0.0):.3f} ms"
-    if "outside" in per:
-        text += f"; outside the engine's handler {per['outside']:.3f} ms; whole push {per['push']:.3f} ms"
+    """'decode 0.31 + check 0.02 + ... = engine 1.20 ms; staged off the engine thread: ...; idle 0.80 ms; ...'
+    (known phases first)."""
+    engine = [n for n in per if not n.startswith("stage") and n not in SUMMARY and _phase_of(n) == n]
+    names = [n for n in PHASE_ORDER if n in engine] + sorted(set(engine) - set(PHASE_ORDER))
+    text = " + ".join(_with_parts(per, n) for n in names) + f" = engine thread {per.get('engine', 0.0):.3f} ms"
+    staged = [n for n in per if n.startswith("stage_") and _phase_of(n) == n]
+    if staged:
+        text += ("; staged off the engine thread: " + " + ".join(_with_parts(per, n, "stage_") for n in sorted(staged))
+                 + f" = stage {per.get('stage', 0.0):.3f} ms")
+    if "push" in per:
+        text += (f"; engine thread idle {per['idle']:.3f} ms; handler latency {per['handler']:.3f} ms; "
+                 f"whole push {per['push']:.3f} ms")
     return text
+
+
+def _with_parts(per: dict[str, float], name: str, prefix: str = "") -> str:
+    """'decode 2.40 (open 0.27, views 0.20)': a phase with the parts timed inside it."""
+    parts = [n for n in per if n != name and _phase_of(n) == name]
+    inner = f" ({', '.join(f'{n.removeprefix(prefix)} {per[n]:.3f}' for n in sorted(parts))})" if parts else ""
+    return f"{name.removeprefix(prefix)} {per[name]:.3f}{inner}"
 
 
 def bench_in_process(model: str, device: str, tensors, args) -> dict:
@@ -187,8 +257,8 @@ def bench_in_process(model: str, device: str, tensors, args) -> dict:
         del llm
     result = {"update_weights_s": _median(update[1:]), "update_weights_from_tensor_s": _median(from_tensor[1:]),
               "phases_ms_per_bucket": phases_per_request(phases[1:])}
-    result["phases_ms_per_bucket"].pop("outside")
-    result["phases_ms_per_bucket"].pop("push")
+    for key in ("idle", "handler", "push"):
+        result["phases_ms_per_bucket"].pop(key)
     print(f"in process: update_weights {result['update_weights_s']:.4f} s, update_weights_from_tensor "
           f"(buckets, no IPC) {result['update_weights_from_tensor_s']:.4f} s")
     print(f"in process, update_weights_from_tensor per bucket: {format_phases(result['phases_ms_per_bucket'])}")
@@ -277,11 +347,14 @@ def print_summary(results: dict) -> None:
     serve = results["serve"]
     gib = results["bytes"] / 2**30
     print(f"\n== weights: {gib:.2f} GiB, {results['device']} ==")
-    print(f"push (update_weights_from_tensor, trainer process) {serve['push_s']:.4f} s  {serve['push_gbps']:.1f} GB/s"
-          f"  (goal ≤ 0.1 s for qwen3-8b)")
+    print(f"push (update_weights_from_tensor, trainer process, {serve['in_flight']} in flight) {serve['push_s']:.4f} s"
+          f"  {serve['push_gbps']:.1f} GB/s  (goal ≤ 0.1 s for qwen3-8b)")
+    for depth, figures in serve["by_in_flight"].items():
+        print(f"push, {figures['requests']} requests, {depth} in flight ({figures['staged']:g} staged): "
+              f"{figures['push_s']:.4f} s; per request (ms): {format_phases(figures['push_phases_ms_per_request'])}")
     print(f"push, every bucket in one request {serve['push_one_request_s']:.4f} s  "
           f"{results['bytes'] / serve['push_one_request_s'] / GB:.1f} GB/s")
-    print(f"push, {serve['buckets']} requests, per request (ms): {format_phases(serve['push_phases_ms_per_request'])}")
+    print(f"(waited {serve['host_reservation_wait_s']:.2f} s for the engine's host-copy reservation before timing)")
     step = serve["rl_step"]
     print(f"RL step: sleep L2 {step['sleep']:.3f} + wake weights {step['wake_weights']:.3f} + push {step['push']:.3f} "
           f"+ wake kv {step['wake_kv']:.3f} = {step['total']:.3f} s  (goal ≤ 0.6 s)")

@@ -8,9 +8,10 @@ weights validity, per-tag state) and `memory_usage()` (every tensor-parallel ran
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from torpor.engine.config import EngineConfig
 from torpor.engine.model_runner import ModelRunner, debug_logging, timed_phase
 from torpor.engine.outputs import RequestOutput
+from torpor.engine.phase_times import phase
 from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import FINISHED, Sequence
@@ -371,25 +373,38 @@ class LLMEngine:
         if plan and not sleep_mode.context_released:
             self.memory.check_sleep(plan)  # a sleep bound to fail must not settle (abort) requests first
         before = sleep_mode.level
-        try:
-            if sleep_mode.level in (None, 0):  # requests may be running
-                self._settle_running(mode)
-            if sleep_mode.context_released and plan:
-                self._restore_context()  # dropping host copies needs the context
-            report = self.memory.sleep(plan) if plan else None
-        except BaseException:
-            # The failed sleep may have discarded the KV cache before it rolled back (zeroed blocks): the
-            # prefix cache must not serve them. Nothing runs now (running requests were settled above).
-            self.reset_prefix_cache()
-            self._sync_scheduler()  # the level did not change: the scheduler goes back to what it did
-            raise
-        sleep_mode.after_sleep(level)
-        self._sync_scheduler()
-        if self.model_runner.device.type == "cuda" and plan:
-            torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
-        if release:
-            self._release_context(level, before)
+        with self._transfers_held(drop="weights" in plan or release):
+            try:
+                if sleep_mode.level in (None, 0):  # requests may be running
+                    self._settle_running(mode)
+                if sleep_mode.context_released and plan:
+                    self._restore_context()  # dropping host copies needs the context
+                report = self.memory.sleep(plan) if plan else None
+            except BaseException:
+                # The failed sleep may have discarded the KV cache before it rolled back (zeroed blocks): the
+                # prefix cache must not serve them. Nothing runs now (running requests were settled above).
+                self.reset_prefix_cache()
+                self._sync_scheduler()  # the level did not change: the scheduler goes back to what it did
+                raise
+            sleep_mode.after_sleep(level)
+            self._sync_scheduler()
+            if self.model_runner.device.type == "cuda" and plan:
+                torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
+            if release:
+                self._release_context(level, before)
         return report
+
+    @contextlib.contextmanager
+    def _transfers_held(self, drop: bool) -> Iterator[None]:
+        """While a sleep or wake changes the memory (and, at levels 3/4, the CUDA context), no trainer payload is
+        opened off the engine thread (`WeightReceiver.held`); with `drop` (the weights or the context go),
+        payloads opened for a copy still to come are released first: they answer 409, nothing is written."""
+        receiver = getattr(self, "_weight_receiver", None)
+        if receiver is None:
+            yield
+            return
+        with receiver.held(drop):
+            yield
 
     def _check_context_release(self, level: int) -> None:
         """Level 3/4's preconditions: one CUDA device per engine process, the driver's checkpoint API."""
@@ -453,18 +468,19 @@ class LLMEngine:
         The engine serves again once every tag is awake and its weights are valid."""
         sleep_mode = self._sleep_mode()
         targets = sleep_mode.wake_targets(tags)
-        try:
-            if sleep_mode.context_released:
-                self._restore_context()  # the context first, then the tags
-            report = self.memory.wake(targets)
-            if "weights" in targets:
-                self.memory.mark_clean("weights")  # unwritten since the wake: the next level-1 sleep keeps the copy
-            if "kv_cache" in targets:
-                self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
-            if sleep_mode.level is not None and not self.memory.is_sleeping() and not sleep_mode.context_released:
-                sleep_mode.level = None  # every tag awake: a wake ends any sleep, level 0 included
-        finally:
-            self._sync_scheduler()
+        with self._transfers_held(drop=False):
+            try:
+                if sleep_mode.context_released:
+                    self._restore_context()  # the context first, then the tags
+                report = self.memory.wake(targets)
+                if "weights" in targets:
+                    self.memory.mark_clean("weights")  # unwritten since the wake: the next level-1 sleep keeps it
+                if "kv_cache" in targets:
+                    self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
+                if sleep_mode.level is not None and not self.memory.is_sleeping() and not sleep_mode.context_released:
+                    sleep_mode.level = None  # every tag awake: a wake ends any sleep, level 0 included
+            finally:
+                self._sync_scheduler()
         return WakeResult(report, tuple(targets), self.serving)
 
     def reload_weights(self, path: str | None = None) -> None:
@@ -478,21 +494,26 @@ class LLMEngine:
             self._stop_if_weights_invalid()
         self._weights_restored()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], staged: bool = False) -> int:
         """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's
-        push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count."""
-        self._weights_awake("update_weights")
-        self.mark_weights_dirty()
-        discarded = self.sleep_mode is not None and self.sleep_mode.weights_discarded
-        strict = discarded or not self.model_runner.weights_valid  # after a mix, only the whole set will do
-        self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
+        push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count.
+        `staged`: see `loader.check_update`."""
+        with phase("prepare"):
+            self._weights_awake("update_weights")
+            self.mark_weights_dirty()
+            discarded = self.sleep_mode is not None and self.sleep_mode.weights_discarded
+            strict = discarded or not self.model_runner.weights_valid  # after a mix, only the whole set will do
+            self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
         try:
             # The RoPE table lives with the weights: only a level-2 discard (which sets weights_discarded until
             # a complete update or reload) can have wiped it, so an update of intact weights leaves it be.
-            count = self.model_runner.update_weights(named_tensors, strict=strict, reset_buffers=discarded)
+            count = self.model_runner.update_weights(named_tensors, strict=strict, reset_buffers=discarded,
+                                                     staged=staged)
         finally:
-            self._stop_if_weights_invalid()
-        self._weights_restored()
+            with phase("state"):
+                self._stop_if_weights_invalid()
+        with phase("state"):
+            self._weights_restored()
         return count
 
     def _sleep_mode(self) -> SleepMode:
@@ -536,16 +557,17 @@ class LLMEngine:
         if not plan:
             return None
         self.memory.check_sleep(plan)  # a release bound to fail must not settle (abort) requests first
-        try:
-            if sleep_mode.level in (None, 0):  # requests may be running
-                self._settle_running(mode)
-            report = self.memory.sleep(plan)
-        except BaseException:
-            self._sync_scheduler()  # nothing was released: back to what the engine did
-            raise
-        if sleep_mode.level in (None, 0):
-            sleep_mode.after_sleep(1)
-        self._sync_scheduler()
+        with self._transfers_held(drop="weights" in plan):
+            try:
+                if sleep_mode.level in (None, 0):  # requests may be running
+                    self._settle_running(mode)
+                report = self.memory.sleep(plan)
+            except BaseException:
+                self._sync_scheduler()  # nothing was released: back to what the engine did
+                raise
+            if sleep_mode.level in (None, 0):
+                sleep_mode.after_sleep(1)
+            self._sync_scheduler()
         return report
 
     def mark_weights_dirty(self) -> None:

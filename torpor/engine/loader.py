@@ -403,14 +403,31 @@ def check_finite(copies: Sequence[PlannedCopy]) -> None:
                               weights_written=True)
 
 
-def check_update(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]], strict: bool) -> None:
+def check_update(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]], strict: bool,
+                 staged: bool = False) -> None:
     """Validate a whole update before any of it is written: names, shapes, dtypes and finite values
-    (ValueError naming the tensor)."""
+    (ValueError naming the tensor). `staged`: `check_staged` passed these very tensors already (a push
+    checked off the engine thread), so only the coverage is checked here, with `strict` (it needs the plan)."""
     for item in named_tensors:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise ValueError("update_weights takes (name, tensor) pairs")
+    if strict or not staged:
+        with phase("plan"):
+            check_sources(model, ((n, t.shape, t.dtype) for n, t in named_tensors), strict)
+    if not staged:
+        check_values(named_tensors)
+
+
+def check_staged(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """What `check_update` checks of a partial update (names, shapes, dtypes, finite values), on any thread: it
+    reads the model's fixed structure and the tensors only. The values must not change until the copy (a
+    trainer keeps its buckets as they are until the engine answered)."""
     with phase("plan"):
-        check_sources(model, ((n, t.shape, t.dtype) for n, t in named_tensors), strict)
+        check_sources(model, ((n, t.shape, t.dtype) for n, t in named_tensors), strict=False)
+    check_values(named_tensors)
+
+
+def check_values(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     with phase("finite"):
         bad = first_non_finite([t for _, t in named_tensors])
     if bad is not None:

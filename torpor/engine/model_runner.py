@@ -206,17 +206,18 @@ class ModelRunner:
         with self.engine_stream.scope(), self._writing_weights():
             load_weights(self.model, path, self.staging)
 
-    def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True) -> int:
+    def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True,
+                       staged: bool = False) -> int:
         """Hugging Face-named tensors into the existing parameters; recomputes the RoPE table unless
         `reset_buffers` is False (the caller knows the table is intact, or recomputes it once at the end of
         a push in buckets: `reset_buffers()`). A list or tuple is validated whole (names, shapes, dtypes,
         finite values) before anything is written; a stream (any other iterable) is checked tensor by
         tensor, so a bad one midway leaves a mix: `weights_valid` is then False until a complete update or
-        a reload."""
+        a reload. `staged`: see `loader.check_update` (a list checked by `loader.check_staged` already)."""
         with self.engine_stream.scope():
             whole = isinstance(named_tensors, list | tuple)
             if whole:
-                check_update(self.model, named_tensors, strict)
+                check_update(self.model, named_tensors, strict, staged)
             with self._writing_weights():
                 with phase("copy"):
                     count = load_named_tensors(self.model, named_tensors, strict=strict, values_checked=whole)
@@ -230,9 +231,9 @@ class ModelRunner:
         with self.engine_stream.scope(), phase("buffers"):
             self.model.reset_buffers()
 
-    def check_update(self, named_tensors, strict: bool) -> None:
+    def check_update(self, named_tensors, strict: bool, staged: bool = False) -> None:
         """Validate a whole update (a list) against this rank's model without writing anything."""
-        check_update(self.model, named_tensors, strict)
+        check_update(self.model, named_tensors, strict, staged)
 
     @contextlib.contextmanager
     def _writing_weights(self) -> Iterator[None]:

@@ -91,13 +91,14 @@ class ParallelModelRunner:
     def reload_weights(self, path: str) -> None:
         self._everywhere("reload_weights", (path,), lambda: self.local.reload_weights(path))
 
-    def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True) -> int:
+    def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True,
+                       staged: bool = False) -> int:
         """Every rank receives every tensor (it keeps its shard), streamed one at a time: its name through
-        the pipes, its data broadcast over the process group from rank 0's device. `reset_buffers`: as
-        `ModelRunner.update_weights`, on every rank."""
+        the pipes, its data broadcast over the process group from rank 0's device. `reset_buffers` and
+        `staged`: as `ModelRunner.update_weights`, on every rank."""
         conns = self.workers.conns
-        if isinstance(named_tensors, list | tuple):
-            self.local.check_update(named_tensors, strict)  # the whole update, before any rank writes
+        if isinstance(named_tensors, list | tuple):  # the whole update, before any rank writes
+            self.local.check_update(named_tensors, strict, staged)
 
         def local() -> int:
             try:

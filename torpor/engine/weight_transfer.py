@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import io
 import os
@@ -41,7 +42,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +50,7 @@ from typing import ClassVar
 
 import torch
 
+from torpor.engine import phase_times
 from torpor.engine.models.layers.loading import LOADABLE_DTYPES
 from torpor.engine.phase_times import phase
 
@@ -224,7 +226,8 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise RefusedPickle(f"shared-memory file {handle} holds {available} bytes, the payload claims {nbytes}")
         self._count(nbytes)
         real_cls = torch.TypedStorage if cls is _TYPED else torch.UntypedStorage
-        return rebuild_storage_filename(real_cls, manager.encode(), handle.encode(), size, dtype)
+        with phase("open"):  # inside "decode": the shared-memory file mapped
+            return rebuild_storage_filename(real_cls, manager.encode(), handle.encode(), size, dtype)
 
     def _rebuild_typed_storage(self, storage, dtype):
         if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
@@ -260,10 +263,12 @@ class RestrictedUnpickler(pickle._Unpickler):
                              "on CPU send tensors in shared memory (sharing strategy 'file_system')")
         self._count(storage_bytes)
         self._counted_tensor()
-        tensor = rebuild_cuda_tensor(torch.Tensor, size, stride, offset, torch.TypedStorage, dtype, device, handle,
-                                     storage_bytes, storage_offset_bytes, False, ref_handle, ref_offset,
-                                     event_handle, bool(event_sync))
-        _check_cuda_range(tensor, storage_bytes, storage_offset_bytes)
+        with phase("open"):  # inside "decode": the IPC handle opened (and the trainer's event waited for)
+            tensor = rebuild_cuda_tensor(torch.Tensor, size, stride, offset, torch.TypedStorage, dtype, device,
+                                         handle, storage_bytes, storage_offset_bytes, False, ref_handle, ref_offset,
+                                         event_handle, bool(event_sync))
+        with phase("range"):  # inside "decode"
+            _check_cuda_range(tensor, storage_bytes, storage_offset_bytes)
         return tensor
 
     def _counted_tensor(self) -> None:
@@ -553,6 +558,12 @@ class WeightReceiver:
         # A parameter this receiver wrote non-zero while `missing` was counted down: zero again means another
         # level-2 sleep discarded the weights meanwhile (they wake zero-filled), so the count starts over.
         self.sentinel: torch.Tensor | None = None
+        # Held while a payload is opened off the engine thread (`stage`) and while a sleep or wake changes the
+        # memory (`held`): no IPC handle is opened during a context checkpoint or restore.
+        self.gate = threading.Lock()
+        self._staged: list[StagedUpdate] = []  # opened, waiting for their copy (dropped by a sleep)
+        self._staged_lock = threading.Lock()
+        self._stage_stream = None  # EngineStream of the staging thread (CUDA), made on the first staged request
 
     def check_weights_awake(self, what: str) -> None:
         memory = self.engine.memory
@@ -570,7 +581,10 @@ class WeightReceiver:
             raise ValueError(f"serialized_named_tensors must be a list of 1 or tensor_parallel_size ({tp}) "
                              f"base64 strings, got {_describe(serialized)}")
         with phase("decode"):
-            pairs = named_tensors_of(unpickle_payload(serialized[0], self.manifest.max_bytes), load_format)
+            payload = unpickle_payload(serialized[0], self.manifest.max_bytes)
+            with phase("views"):  # inside "decode": the bucket's (name, view) pairs, their metadata checked
+                pairs = named_tensors_of(payload, load_format)
+            del payload
         return pairs
 
     def apply(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> int:
@@ -579,16 +593,107 @@ class WeightReceiver:
         try:
             with phase("check"):
                 self.manifest.check(named_tensors)
-            names = [name for name, _ in named_tensors]
-            runner = self.engine.model_runner
-            if self.discarded:  # part of the set: the engine's own path would want every tensor at once; the
-                # RoPE table is recomputed once, when the set is complete (`commit`)
-                return self.commit(names, lambda: runner.update_weights(named_tensors, strict=False,
-                                                                        reset_buffers=False), flush_cache)
-            return self.commit(names, lambda: self.engine.update_weights(named_tensors), flush_cache)
+            return self._copy(named_tensors, flush_cache, staged=False)
         finally:
             with phase("release"):
                 release_transfer_memory(named_tensors)
+
+    def _copy(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool, staged: bool) -> int:
+        names = [name for name, _ in named_tensors]
+        runner = self.engine.model_runner
+        if self.discarded:  # part of the set: the engine's own path would want every tensor at once; the
+            # RoPE table is recomputed once, when the set is complete (`commit`)
+            return self.commit(names, lambda: runner.update_weights(named_tensors, strict=False, reset_buffers=False,
+                                                                    staged=staged), flush_cache)
+        return self.commit(names, lambda: self.engine.update_weights(named_tensors, staged=staged),
+                           flush_cache)
+
+    # ---- a push in flight: opened and checked off the engine thread, copied on it ----------------------
+    def stage(self, serialized: Sequence[str], load_format: str | None) -> StagedUpdate:
+        """Any thread but the engine's (TP=1): open one request's payload and check it — the weights awake, every
+        name / shape / dtype against the manifest and the model (the meta dry run), the finite values — while the
+        engine thread copies the previous one; `apply_staged` then copies it on the engine thread. CUDA tensors
+        are opened on this thread's current stream (the trainer's IPC event is waited for there, and the finite
+        check runs there): the staged update carries an event recorded after them, which the engine's stream
+        waits for before reading them."""
+        with phase_times.collect() as timings, self.gate:
+            self.check_weights_awake("update_weights_from_tensor")  # before any handle is opened
+            device = self.engine.model_runner.device
+            with self._staging_stream(device):
+                staged = self._open_and_check(serialized, load_format, device, timings)
+            with self._staged_lock:
+                self._staged.append(staged)
+        return staged
+
+    def _open_and_check(self, serialized: Sequence[str], load_format: str | None, device: torch.device,
+                        timings: dict[str, float]) -> StagedUpdate:
+        pairs = self.decode(serialized, load_format)
+        try:
+            from torpor.engine.loader import check_staged
+
+            with phase("check"):
+                self.manifest.check(pairs)
+            check_staged(_model(self.engine), pairs)  # the meta dry run and the finite values (this stream)
+            return StagedUpdate(pairs, _ready_event(device), timings)
+        except BaseException:
+            release_transfer_memory(pairs)
+            raise
+
+    def _staging_stream(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """CUDA: the engine's device and a stream of the staging thread's own, made through the driver as the
+        engine's is (no PyTorch stream pool): its IPC event waits and finite checks neither queue behind the
+        engine's copies nor hold them up, as the threads' shared default stream would. CPU: nothing."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        torch.cuda.set_device(device)  # this thread's CUDA calls (IPC opens, range checks) go there
+        if self._stage_stream is None:
+            from torpor.engine.engine_stream import EngineStream
+
+            self._stage_stream = EngineStream(device)  # kept with the receiver (streams are never destroyed)
+        return torch.cuda.stream(self._stage_stream.stream)
+
+    def apply_staged(self, staged: StagedUpdate, flush_cache: bool = True) -> int:
+        """Engine thread: copy a staged update (checked by `stage`; the coverage is checked here when the engine
+        needs a whole set), synchronize, then release it. One dropped by a sleep meanwhile, or with the weights
+        asleep now, is a 409 and writes nothing."""
+        try:
+            with self._staged_lock:
+                if staged in self._staged:
+                    self._staged.remove(staged)
+            if staged.dropped is not None:
+                raise RuntimeError(staged.dropped)
+            self.check_weights_awake("update_weights_from_tensor")
+            if staged.ready is not None:  # the tensors were opened on another thread's stream
+                torch.cuda.current_stream(self.engine.model_runner.device).wait_event(staged.ready)
+            return self._copy(staged.pairs, flush_cache, staged=True)
+        finally:
+            with phase("release"):
+                release_transfer_memory(staged.pairs)
+
+    def discard_staged(self, staged: StagedUpdate) -> None:
+        """Release a staged update that will not be copied (its request was refused before its turn)."""
+        with self._staged_lock:
+            if staged in self._staged:
+                self._staged.remove(staged)
+        release_transfer_memory(staged.pairs)
+
+    @contextlib.contextmanager
+    def held(self, drop: bool) -> Iterator[None]:
+        """Engine thread, around a sleep or wake: no payload is opened meanwhile (`stage` waits); with `drop`,
+        every staged update is released first (its copy answers 409): no IPC mapping of a trainer stays open
+        while the weights or the CUDA context go."""
+        with self.gate:
+            if drop:
+                self._drop_staged("the weights went to sleep before this request's copy; nothing was written "
+                                  "(wake them, then push again)")
+            yield
+
+    def _drop_staged(self, reason: str) -> None:
+        with self._staged_lock:
+            staged, self._staged = self._staged, []
+        for update in staged:
+            update.dropped = reason
+            release_transfer_memory(update.pairs)
 
     @property
     def discarded(self) -> bool:
@@ -598,11 +703,12 @@ class WeightReceiver:
     def commit(self, names: list[str], copy, flush_cache: bool) -> int:
         """Run `copy()` (checked tensors into the weights, on every rank; returns a count), then account for
         them: after a level-2 sleep the weights are valid once every checkpoint tensor came."""
-        self.check_weights_awake("update weights")
-        engine, discarded = self.engine, self.discarded
-        engine.mark_weights_dirty()  # every copy writes the weights (the ranks' own "apply" does not declare it)
-        if discarded and (self.missing is None or self._discarded_again()):
-            self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
+        with phase("prepare"):
+            self.check_weights_awake("update weights")
+            engine, discarded = self.engine, self.discarded
+            engine.mark_weights_dirty()  # every copy writes the weights (the ranks' own "apply" does not declare it)
+            if discarded and (self.missing is None or self._discarded_again()):
+                self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
         count = copy()
         with phase("sync"):
             _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
@@ -637,6 +743,27 @@ class WeightReceiver:
         return None
 
 
+@dataclass(eq=False)
+class StagedUpdate:
+    """One request's tensors, opened and checked off the engine thread, waiting for their copy: `ready` is a
+    CUDA event recorded after they were opened (None on CPU), `timings` the staging thread's phases, `dropped`
+    why the copy will not happen (a sleep came first)."""
+
+    pairs: list[tuple[str, torch.Tensor]]
+    ready: object | None
+    timings: dict[str, float]
+    dropped: str | None = None
+
+
+def _ready_event(device: torch.device):
+    """An event on this thread's current stream of `device` (CUDA), after the work queued so far."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def _model(engine):
     runner = engine.model_runner
     return runner.model if hasattr(runner, "model") else runner.local.model
@@ -665,11 +792,17 @@ def release_transfer_memory(named_tensors: list) -> None:
         torch.cuda.ipc_collect()
 
 
+_receivers_lock = threading.Lock()  # a server's staging thread and its engine thread may both ask first
+
+
 def receiver_of(engine) -> WeightReceiver:
     """The engine's WeightReceiver (made on first use; one per engine)."""
     receiver = getattr(engine, "_weight_receiver", None)
     if receiver is None:
-        receiver = engine._weight_receiver = WeightReceiver(engine)
+        with _receivers_lock:
+            receiver = getattr(engine, "_weight_receiver", None)
+            if receiver is None:
+                receiver = engine._weight_receiver = WeightReceiver(engine)
     return receiver
 
 

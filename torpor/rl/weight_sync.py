@@ -5,8 +5,10 @@ buckets of `bucket_bytes` (default 512 MiB: a handful of CUDA IPC handles for an
 serialized with `torch.multiprocessing`'s pickler (CUDA tensors as IPC handles; CPU tensors as
 shared-memory files, the `file_system` sharing strategy) and sent to `POST /update_weights_from_tensor`
 or to an in-process `LLM`. Each bucket stays referenced until the engine answered, i.e. has copied it.
-Over HTTP the next request is built (flattened, synchronized, pickled) while the engine copies the
-previous one; the requests themselves still go one at a time, in order, each after the previous answer.
+Over HTTP up to `in_flight` requests (default 2) are in flight while the next is built (flattened,
+synchronized, pickled); each carries torpor's push headers (`X-Torpor-Push-Id`, `X-Torpor-Push-Index`), so a
+torpor server applies them in order and none after the first that failed (`torpor.server.weight_pipeline`).
+`in_flight=1` sends each request after the previous answer (for servers without those headers).
 
 `DistributedPusher` (another device or node): hosts a process group (trainer = rank 0), the engine joins
 through `POST /init_weights_update_group`; each push broadcasts every tensor in order while
@@ -18,6 +20,8 @@ from __future__ import annotations
 import base64
 import io
 import time
+import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -26,6 +30,20 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+DEFAULT_IN_FLIGHT = 2  # requests a push keeps in flight over HTTP (1: each sent after the previous answer)
+
+
+@dataclass
+class Position:
+    """A push's id and the index of its next request, as torpor's headers (`torpor.server.weight_pipeline`)."""
+
+    push_id: str
+    index: int = 0
+
+    def next(self) -> dict[str, str]:
+        headers = {"X-Torpor-Push-Id": self.push_id, "X-Torpor-Push-Index": str(self.index)}
+        self.index += 1
+        return headers
 
 
 @dataclass
@@ -59,6 +77,9 @@ class PushReport:
     engine_seconds: float = 0.0
     requests: int = 0
     engine_phases: dict[str, float] = field(default_factory=dict)
+    in_flight: int = 1
+    handler_seconds: list[float] = field(default_factory=list)  # each request's, in order
+    staged: int = 0  # requests the engine opened and checked off its engine thread (they found another in flight)
 
     @property
     def gbps(self) -> float:
@@ -128,11 +149,14 @@ class WeightPusher:
     an in-process `LLM`. `tp_size`: the engine's tensor-parallel size (one payload per rank)."""
 
     def __init__(self, target, admin_token: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tp_size: int = 1, timeout: float = 600.0, buckets_per_request: int = 1) -> None:
+                 tp_size: int = 1, timeout: float = 600.0, buckets_per_request: int = 1,
+                 in_flight: int = DEFAULT_IN_FLIGHT) -> None:
         if buckets_per_request < 1:
             raise ValueError(f"buckets_per_request must be >= 1, got {buckets_per_request}")
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be >= 1, got {in_flight}")
         self.target, self.bucket_bytes, self.tp_size = target, bucket_bytes, tp_size
-        self.buckets_per_request = buckets_per_request
+        self.buckets_per_request, self.in_flight = buckets_per_request, in_flight
         self.http = None
         if isinstance(target, str):
             import httpx
@@ -141,37 +165,46 @@ class WeightPusher:
             self.http = httpx.Client(base_url=target, headers=headers, timeout=timeout)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
-        """Every tensor, `buckets_per_request` buckets per request (SGLang's form: 1; more: fewer round trips,
+        """Every tensor, in buckets of `bucket_bytes` (`push_buckets`)."""
+        return self.push_buckets(bucket_named_tensors(named_tensors, self.bucket_bytes), flush_cache)
+
+    def push_buckets(self, buckets: Iterable[Bucket], flush_cache: bool = True) -> PushReport:
+        """Every bucket, `buckets_per_request` buckets per request (SGLang's form: 1; more: fewer round trips,
         more trainer memory held at once); the prefix cache is flushed after the last request. Each bucket is
-        complete on the trainer's device before it is sent (the engine must read finished values). Over HTTP
-        the next request is built while the previous one is in flight, so up to three requests' buckets are held
-        at once (the one in flight, the next, and the one after it, built to know whether the next is the last);
-        requests go one at a time, in order, and none is sent after one failed."""
+        complete on the trainer's device before it is sent (the engine must read finished values) and stays
+        referenced until its answer came. Over HTTP up to `in_flight` requests are in flight while the next is
+        built (so `in_flight` + 2 requests' buckets are held at once: those in flight, the next, and the one
+        after it, built to know whether the next is the last); each carries torpor's push headers, so the
+        engine applies them in order and none after the first that failed. Answers are awaited in order and
+        the first failure is raised once every request in flight has answered."""
         start = time.perf_counter()
-        report = PushReport(0.0, 0, 0, 0)
-        in_flight = None  # (future of the answer, its buckets): referenced until the engine answered
-        with ThreadPoolExecutor(1, thread_name_prefix="torpor-push") as sender:
+        depth = self.in_flight if self.http is not None else 1
+        report = PushReport(0.0, 0, 0, 0, in_flight=depth)
+        position = Position(uuid.uuid4().hex)
+        pending: deque[tuple[Future, list[Bucket]]] = deque()  # answers to come, with the buckets they read
+        with ThreadPoolExecutor(depth, thread_name_prefix="torpor-push") as sender:
             try:
-                for buckets, last in self._requests(named_tensors):
-                    request = self._prepare(buckets, flush_cache=flush_cache and last)
-                    if in_flight is not None:
-                        self._finish(*in_flight, report)
-                        in_flight = None
-                    in_flight = (sender.submit(self._post, request) if self.http is not None
-                                 else _done_future(self._post(request)), buckets)
-                if in_flight is not None:
-                    self._finish(*in_flight, report)
-                    in_flight = None
+                for group, last in self._requests(buckets):
+                    request = self._prepare(group, flush_cache=flush_cache and last)
+                    while len(pending) >= depth:
+                        self._finish(*pending.popleft(), report)
+                    pending.append((self._send(sender, request, position.next()), group))
+                while pending:
+                    self._finish(*pending.popleft(), report)
             finally:
-                if in_flight is not None:  # a failure while building the next request: the engine may still copy
-                    wait([in_flight[0]])   # the one in flight; its buckets stay referenced until it answered
+                wait([answer for answer, _ in pending])  # after a failure: the engine may still read those
         report.seconds = time.perf_counter() - start
         return report
 
-    def _requests(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[list[Bucket], bool]]:
+    def _send(self, sender: ThreadPoolExecutor, request: dict, headers: dict[str, str]) -> Future:
+        if self.http is None:  # in process: the call itself, now
+            return _done_future(self._post(request, headers))
+        return sender.submit(self._post, request, headers)
+
+    def _requests(self, buckets: Iterable[Bucket]) -> Iterator[tuple[list[Bucket], bool]]:
         """(buckets of one request, whether it is the last), each bucket complete on its device."""
         pending: list[Bucket] = []
-        for bucket in bucket_named_tensors(named_tensors, self.bucket_bytes):
+        for bucket in buckets:
             if bucket.flattened.is_cuda:
                 torch.cuda.current_stream(bucket.flattened.device).synchronize()
             if len(pending) == self.buckets_per_request:
@@ -190,7 +223,7 @@ class WeightPusher:
         return {"serialized_named_tensors": [serialize(payload) for _ in range(self.tp_size)],
                 "load_format": "flattened_bucket", "flush_cache": flush_cache}
 
-    def _post(self, request: dict) -> dict:
+    def _post(self, request: dict, headers: dict[str, str]) -> dict:
         """Send one request; returns the engine's answer ({"seconds", "timings"}) once it copied the buckets."""
         if self.http is None:  # an in-process LLM
             from torpor.engine import phase_times
@@ -200,7 +233,7 @@ class WeightPusher:
                 self.target.update_weights_from_tensor(request["payload"], load_format="flattened_bucket",
                                                        flush_cache=request["flush_cache"])
             return {"seconds": time.perf_counter() - start, "timings": timings}
-        response = self.http.post("/update_weights_from_tensor", json=request)
+        response = self.http.post("/update_weights_from_tensor", json=request, headers=headers)
         if response.status_code != 200:
             raise RuntimeError(f"update_weights_from_tensor failed ({response.status_code}): {response.text}")
         return response.json()
@@ -210,9 +243,12 @@ class WeightPusher:
         """Wait for one request's answer (its exception, if it failed) and count it."""
         result = answer.result()
         report.engine_seconds += float(result.get("seconds") or 0.0)
-        for phase, seconds in (result.get("timings") or {}).items():
+        timings = result.get("timings") or {}
+        for phase, seconds in timings.items():
             report.engine_phases[phase] = report.engine_phases.get(phase, 0.0) + float(seconds)
+        report.staged += "stage" in timings
         report.requests += 1
+        report.handler_seconds.append(float(result.get("seconds") or 0.0))
         report.bytes += sum(b.nbytes for b in buckets)
         report.buckets += len(buckets)
         report.tensors += sum(len(b.metadata) for b in buckets)

@@ -38,6 +38,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             yield
         finally:
             server.engine.stop()
+            if server.weights is not None:
+                server.weights.close()
 
     app = FastAPI(title="torpor", summary="OpenAI-compatible server with a sleep/wake control plane",
                   lifespan=lifespan, default_response_class=SafeJSONResponse, openapi_url=None, docs_url=None,

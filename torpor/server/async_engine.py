@@ -146,11 +146,16 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` in the engine thread between steps; its result or exception."""
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Queue `fn(*args)` for the engine thread now (commands run in the order they were queued); the
+        future resolves with its result or exception. Call from the event loop."""
         if not self.alive:
             raise EngineDeadError(f"the engine thread has stopped ({self.dead!r})")
         future = self._loop.create_future()
         self._inbox.put((fn, args, future))
-        return await future
+        return future
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         self._inbox.put((fn, args, None))

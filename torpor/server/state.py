@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.config import ServerConfig
@@ -20,3 +21,4 @@ class ServerState:
     allowed_weights_dir: Path  # resolved: /reload_weights reads only inside it
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
+    weights: Any = None  # weight_pipeline.WeightPipeline, made on the first push

@@ -11,7 +11,10 @@ The payloads are unpickled by a restricted unpickler (torch tensors and storages
 torpor/engine/weight_transfer.py); anything else is a 400 and is never called. Weights asleep: 409.
 Success answers `{"success": true, "message", "num_tensors", "seconds", "is_sleeping", "serving"}`;
 `update_weights_from_tensor` adds `timings` (torpor's extension): the engine thread's seconds per phase
-(decode, check, plan, finite, copy, sync, release, ..., total), which `torpor bench weights` prints.
+(decode, check, plan, finite, copy, sync, release, ..., total) and, for a request staged off the engine
+thread, the staging thread's (stage_decode, ..., stage), which `torpor bench weights` prints. torpor's optional
+headers `X-Torpor-Push-Id` / `X-Torpor-Push-Index` make requests one push: applied in index order, none after
+the first that failed (weight_pipeline.py).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from torpor.engine import phase_times, weight_transfer
+from torpor.engine import weight_transfer
+from torpor.server import weight_pipeline
 from torpor.server.auth import require_admin
 from torpor.server.control import _run, _state
+from torpor.server.errors import APIError
 
 if TYPE_CHECKING:
     from torpor.server.state import ServerState
@@ -68,7 +73,11 @@ class DestroyGroupRequest(BaseModel):
 
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(body: UpdateFromTensorRequest, request: Request) -> dict:
-    return await _update_from_tensor(request.app.state.server, **body.model_dump())
+    try:
+        push = weight_pipeline.push_position(request.headers)  # torpor's extension: a push in flight
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    return await _update_from_tensor(request.app.state.server, **body.model_dump(), push=push)
 
 
 @router.post("/init_weights_update_group")
@@ -87,19 +96,14 @@ async def destroy_weights_update_group(body: DestroyGroupRequest, request: Reque
 
 
 async def _update_from_tensor(server: ServerState, serialized_named_tensors: list[str], load_format: str | None = None,
-                              flush_cache: bool = True, **_: Any) -> dict:
+                              flush_cache: bool = True, push: weight_pipeline.PushPosition | None = None,
+                              **_: Any) -> dict:
+    """Opened and checked off the engine thread, copied on it, in the push's order (weight_pipeline.py)."""
     start = time.perf_counter()
-    count, timings = await _run(server.engine.call(_timed, weight_transfer.update_weights_from_tensor,
-                                                   server.engine.engine, serialized_named_tensors, load_format,
-                                                   flush_cache))
+    if server.weights is None:
+        server.weights = weight_pipeline.WeightPipeline(server.engine)
+    count, timings = await _run(server.weights.update(serialized_named_tensors, load_format, flush_cache, push))
     return {**_done(server, f"loaded {count} tensors", start, count), "timings": timings}
-
-
-def _timed(fn, *args):
-    """`fn(*args)` in the engine thread, with the seconds of each phase it marked (`phase_times`)."""
-    with phase_times.collect() as timings:
-        result = fn(*args)
-    return result, timings
 
 
 async def _init_group(server: ServerState, master_address: str, master_port: int, rank_offset: int, world_size: int,

@@ -1,0 +1,249 @@
+"""Pushes in flight: `POST /update_weights_from_tensor` requests overlap without giving up their order.
+
+A request that arrives while another is in flight is opened and checked off the engine thread, on one staging
+thread (`WeightReceiver.stage`: base64, the restricted unpickler, the shared-memory files or CUDA IPC handles,
+every name / shape / dtype against the manifest and the model, the finite values), while the engine thread copies
+the previous request; the engine thread then does only the copy, the synchronization and the release
+(`WeightReceiver.apply_staged`). A request that finds none in flight runs wholly on the engine thread, as before.
+Commands reach the engine thread in the order they are queued, and a request is queued only when it is its turn:
+
+- Without torpor's push headers (any SGLang client) a request is queued once staged, in the order the requests
+  were staged (one staging thread, first come first served) — one at a time, as before, for a client that
+  waits for each answer.
+- With them (`X-Torpor-Push-Id: <id>`, `X-Torpor-Push-Index: <0, 1, ...>`, sent by `WeightPusher`, which
+  keeps several requests in flight), the requests of one push are queued in index order whatever order they
+  arrive in, and once one of them failed (refused, or its copy failed) every later one writes nothing and
+  answers 409: a push fails at its first failed request, exactly as when the trainer sent nothing after it.
+
+Under tensor parallelism, or for a payload that is not one entry, the request runs on the engine thread as
+before (its order and failure rule still apply).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torpor.engine import phase_times, weight_transfer
+
+if TYPE_CHECKING:
+    from torpor.server.async_engine import AsyncEngine
+
+PUSH_ID_HEADER = "x-torpor-push-id"
+PUSH_INDEX_HEADER = "x-torpor-push-index"
+TURN_TIMEOUT_S = 60.0  # how long a request waits for the one before it in its push
+MAX_PUSHES = 64  # pushes whose order is remembered (the oldest is forgotten first)
+
+
+@dataclass(frozen=True)
+class PushPosition:
+    """Where a request stands in its push (torpor's headers)."""
+
+    push_id: str
+    index: int
+
+
+def push_position(headers: Mapping[str, str]) -> PushPosition | None:
+    """The push headers of a request, None without them; ValueError (a 400) when malformed."""
+    push_id, index = headers.get(PUSH_ID_HEADER), headers.get(PUSH_INDEX_HEADER)
+    if push_id is None and index is None:
+        return None
+    if not push_id or len(push_id) > 128 or index is None or not index.isdigit() or len(index) > 9:
+        raise ValueError(f"{PUSH_ID_HEADER} (1-128 characters) and {PUSH_INDEX_HEADER} (0, 1, ...) go together")
+    return PushPosition(push_id, int(index))
+
+
+@dataclass
+class PushOrder:
+    """The requests of one push: request i is queued for the engine thread only after request i-1 was
+    (`next`), and none after the first one that failed (`failed_at`), whichever thread saw the failure."""
+
+    next: int = 0
+    failed_at: int | None = None
+    reason: str = ""
+    turn: asyncio.Condition = field(default_factory=asyncio.Condition)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, index: int, reason: str) -> None:
+        with self.lock:
+            if self.failed_at is None or index < self.failed_at:
+                self.failed_at, self.reason = index, reason
+
+    def refusal(self, index: int) -> str | None:
+        """Why request `index` must write nothing (an earlier one failed), or None."""
+        with self.lock:
+            if self.failed_at is None or self.failed_at >= index:
+                return None
+            return (f"weight update refused, nothing was written: request {self.failed_at} of this push failed "
+                    f"({self.reason}), so the requests after it are not applied")
+
+    async def wait_turn(self, index: int, timeout: float) -> None:
+        """Until every request before `index` was queued; TimeoutError when one never came."""
+        if index < self.next:
+            raise ValueError(f"request {index} of this push came twice, or after its turn")
+        async with self.turn:
+            await asyncio.wait_for(self.turn.wait_for(lambda: self.next >= index), timeout)
+
+    async def pass_turn(self, index: int) -> None:
+        async with self.turn:
+            self.next = max(self.next, index + 1)
+            self.turn.notify_all()
+
+
+class WeightPipeline:
+    """One server's pushes: the staging thread and the order of each push (see the module docstring)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="torpor-weights-stage")
+        self._pushes: OrderedDict[str, PushOrder] = OrderedDict()
+        self._active = 0  # requests between their arrival and their answer
+
+    def close(self) -> None:
+        self._stager.shutdown(wait=False, cancel_futures=True)
+
+    async def update(self, serialized: Any, load_format: str | None, flush_cache: bool,
+                     push: PushPosition | None) -> tuple[int, dict[str, float]]:
+        """One request: (tensors loaded, seconds per phase: the engine thread's, plus `stage` and its phases
+        when it was staged off the engine thread). A request that finds no other in flight runs wholly on the
+        engine thread (nothing to overlap with: a thread hop less); one that finds another is staged."""
+        self._active += 1
+        try:
+            return await self._update(serialized, load_format, flush_cache, push)
+        finally:
+            self._active -= 1
+
+    async def _update(self, serialized: Any, load_format: str | None, flush_cache: bool,
+                      push: PushPosition | None) -> tuple[int, dict[str, float]]:
+        if not isinstance(flush_cache, bool):
+            raise ValueError(f"flush_cache must be true or false, got {flush_cache!r}")
+        order = self._order(push)
+        index = push.index if push is not None else 0
+        if order is not None and index < order.next:
+            raise ValueError(f"request {index} of push {push.push_id!r} came twice, or after its turn")
+        refusal = order.refusal(index) if order is not None else None
+        if refusal is not None:  # an earlier request failed: nothing of this one is opened
+            await self._skip_turn(order, index)
+            raise RuntimeError(refusal)
+        if not self._stageable(serialized):
+            return await self._in_turn(order, index, self._unstaged, serialized, load_format, flush_cache)
+        staged = await self._stage(order, index, serialized, load_format)
+        count, timings = await self._in_turn(order, index, self._apply, staged, flush_cache, staged=staged)
+        return count, _merged(staged.timings, timings)
+
+    def _order(self, push: PushPosition | None) -> PushOrder | None:
+        if push is None:
+            return None
+        order = self._pushes.get(push.push_id)
+        if order is None:
+            order = self._pushes[push.push_id] = PushOrder()
+            while len(self._pushes) > MAX_PUSHES:
+                self._pushes.popitem(last=False)
+        return order
+
+    def _stageable(self, serialized: Any) -> bool:
+        """Whether to stage this request off the engine thread: another is in flight, TP=1, one entry."""
+        return self._active > 1 and self.engine.config.tensor_parallel_size == 1 and isinstance(serialized, list) \
+            and len(serialized) == 1
+
+    async def _stage(self, order: PushOrder | None, index: int, serialized: list[str],
+                     load_format: str | None) -> weight_transfer.StagedUpdate:
+        """The payload opened and checked on the staging thread. A failure fails the push from this request on
+        (once its turn came, so the order of the turns holds)."""
+        receiver = weight_transfer.receiver_of(self.engine.engine)
+        future = asyncio.get_running_loop().run_in_executor(self._stager, receiver.stage, serialized, load_format)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:  # the handler went away: the staged tensors must not stay mapped
+            future.add_done_callback(lambda f: self._discard(receiver, f))
+            raise
+        except Exception as exc:
+            if order is not None:
+                order.fail(index, f"{type(exc).__name__}: {exc}")
+                await self._skip_turn(order, index)
+            raise
+
+    async def _in_turn(self, order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any,
+                       staged: weight_transfer.StagedUpdate | None = None) -> tuple[int, dict[str, float]]:
+        """Queue `fn(order, index, *args)` for the engine thread once it is this request's turn; its result."""
+        if order is not None:
+            try:
+                await order.wait_turn(index, TURN_TIMEOUT_S)
+            except (TimeoutError, ValueError) as exc:
+                if staged is not None:
+                    self.engine.submit(weight_transfer.receiver_of(self.engine.engine).discard_staged, staged)
+                if isinstance(exc, ValueError):  # a repeated index: refused, the push goes on (not its turn)
+                    raise
+                reason = f"request {index - 1} of this push never came within {TURN_TIMEOUT_S:g} s"
+                order.fail(index, reason)
+                await order.pass_turn(index)
+                raise RuntimeError(reason) from None
+        try:
+            future = self.engine.submit(_timed, fn, order, index, *args)
+        finally:
+            if order is not None:
+                await order.pass_turn(index)
+        return await future
+
+    async def _skip_turn(self, order: PushOrder, index: int) -> None:
+        """A request that failed before it was queued still passes its turn (in order), so the next can go."""
+        with contextlib.suppress(TimeoutError, ValueError):
+            await order.wait_turn(index, TURN_TIMEOUT_S)
+        await order.pass_turn(index)
+
+    def _discard(self, receiver: weight_transfer.WeightReceiver, future: asyncio.Future) -> None:
+        """The staged update of a handler that went away, released on the engine thread."""
+        if not future.cancelled() and future.exception() is None:
+            self.engine.submit(receiver.discard_staged, future.result())
+
+    def _apply(self, order: PushOrder | None, index: int, staged: weight_transfer.StagedUpdate,
+               flush_cache: bool) -> int:
+        """Engine thread: the staged copy, unless an earlier request of its push failed."""
+        receiver = weight_transfer.receiver_of(self.engine.engine)
+        refusal = order.refusal(index) if order is not None else None
+        if refusal is not None:
+            receiver.discard_staged(staged)
+            raise RuntimeError(refusal)
+        return _failing(order, index, receiver.apply_staged, staged, flush_cache)
+
+    def _unstaged(self, order: PushOrder | None, index: int, serialized: Any, load_format: str | None,
+                  flush_cache: bool) -> int:
+        """Engine thread: the whole request there (tensor parallel; malformed entries get their error)."""
+        refusal = order.refusal(index) if order is not None else None
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        return _failing(order, index, weight_transfer.update_weights_from_tensor, self.engine.engine, serialized,
+                        load_format, flush_cache)
+
+
+def _failing(order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any) -> int:
+    """`fn(*args)`; when it raises, the push fails from request `index` on."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if order is not None:
+            order.fail(index, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, float]]:
+    """`fn(*args)` in the engine thread, with the seconds of each phase it marked (`phase_times`)."""
+    with phase_times.collect() as timings:
+        result = fn(*args)
+    return result, timings
+
+
+def _merged(stage: dict[str, float], engine: dict[str, float]) -> dict[str, float]:
+    """The engine thread's phases (`total`: its seconds) and the staging thread's, as `stage_<phase>` (`stage`:
+    its seconds, the wait for a sleep or wake in progress included)."""
+    merged = dict(engine)
+    for name, seconds in stage.items():
+        merged["stage" if name == "total" else f"stage_{name}"] = seconds
+    return merged
+
