@@ -325,24 +325,30 @@ def _search_dense(weights: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """The token of each row drawn by `bits` [rows] (float64 random integers) from `probs` [rows, vocab]:
-    exactly `_search_dense` of the quantized weights (the old draw), by block sums. On CUDA two Triton
-    kernels (sampler_kernels.py); elsewhere the same search in PyTorch; a CUDA device without triton keeps
-    the full cumsum (a block search in PyTorch there could not see a NaN row without a host sync)."""
+    """The token of each row drawn by `bits` [rows] (float64 random integers) from `probs` [rows, vocab]
+    (softmax output, maybe masked: each in [0, 1] or NaN): exactly `_search_dense` of the quantized weights
+    (the old draw), by block sums. On CUDA two Triton kernels (sampler_kernels.py); elsewhere the same search
+    in PyTorch; a CUDA device without triton keeps the full cumsum (a block search in PyTorch could not
+    hand a NaN row to the dense search there without a host sync)."""
     if probs.is_cuda:
         from torpor.engine import sampler_kernels  # no triton import on CPU engines
 
         if sampler_kernels.available(probs):
             return sampler_kernels.inverse_cdf(probs, bits)
         return _search_dense(probs.mul_(_PROB_SCALE).long(), bits.long())
-    return _search_blocks(probs.mul_(_PROB_SCALE).long(), bits.long())
+    # The rows with a NaN probability, whose weights are negative (INT64_MIN): a float sum is NaN exactly
+    # there (a pass over float32, cheaper on CPU than a min over the int64 weights).
+    unsorted = probs.sum(dim=-1).isnan()
+    return _search_blocks(probs.mul_(_PROB_SCALE).long(), bits.long(), unsorted=unsorted)
 
 
-def _search_blocks(weights: torch.Tensor, bits: torch.Tensor, block: int | None = None) -> torch.Tensor:
+def _search_blocks(weights: torch.Tensor, bits: torch.Tensor, block: int | None = None,
+                   unsorted: torch.Tensor | None = None) -> torch.Tensor:
     """`_search_dense(weights, bits)` without the [rows, vocab] cdf: the sums of `block` columns, the first
     block whose running total passes the target, a cumsum inside that block only. Exact for rows without a
     negative weight (the cdf is sorted: integer sums are exact in any order); rows with one (NaN logits;
-    the CPU checks at no sync cost) take `_search_dense`, whose answer there is its binary search's."""
+    the CPU checks at no sync cost) take `_search_dense`, whose answer there is its binary search's.
+    `unsorted` [rows] bool: rows that may hold a negative weight (default: those that do)."""
     vocab_size, block = weights.shape[1], block or _SEARCH_BLOCK
     sums = _block_sums(weights, block)                                       # [rows, blocks]
     ends = sums.cumsum(dim=-1)                                               # the cdf at each block's end
@@ -354,9 +360,10 @@ def _search_blocks(weights: torch.Tensor, bits: torch.Tensor, block: int | None 
     in_block = weights.gather(1, cols.clamp(max=vocab_size - 1)).masked_fill_(cols >= vocab_size, 0)
     cdf = in_block.cumsum_(dim=-1).add_(ends.gather(1, first) - sums.gather(1, first))  # + the cdf before it
     picked = (first.squeeze(1) * block + (cdf <= target).sum(dim=-1)).clamp_(max=vocab_size - 1)
-    negative = weights.amin(dim=-1) < 0                                       # [rows]; NaN probabilities
-    if negative.any():
-        rows_index = negative.nonzero().squeeze(1)
+    if unsorted is None:
+        unsorted = weights.amin(dim=-1) < 0                                   # [rows]
+    if unsorted.any():
+        rows_index = unsorted.nonzero().squeeze(1)
         picked[rows_index] = _search_dense(weights[rows_index], bits[rows_index])
     return picked
 

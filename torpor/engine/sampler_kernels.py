@@ -188,7 +188,8 @@ def block_sums(probs: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, t
     negative = torch.empty(rows, num_blocks, dtype=torch.int8, device=probs.device)
     if rows:
         _block_sums_kernel[(rows, num_blocks)](
-            probs, sums, negative, probs.stride(0), vocab_size, num_blocks, BLOCK=block, num_warps=4
+            probs, sums, negative, probs.stride(0), vocab_size, num_blocks, BLOCK=block, num_warps=4,
+            enable_fp_fusion=False,  # nothing to fuse (a product is never added to); newer triton asks
         )
     return sums, negative
 
@@ -206,6 +207,7 @@ def inverse_cdf(probs: torch.Tensor, bits: torch.Tensor, block: int = BLOCK) -> 
         _draw_kernel[(rows,)](
             probs, sums, negative, bits.contiguous(), out, probs.stride(0), vocab_size, sums.shape[1],
             BLOCK=block, NUM_BLOCKS_POW2=_next_power_of_2(sums.shape[1]), HALF_BITS=26, num_warps=4,
+            enable_fp_fusion=False,
         )
     return out
 
