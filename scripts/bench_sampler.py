@@ -107,6 +107,8 @@ def compare(args: argparse.Namespace, device: torch.device) -> None:
         print(f"{'batch ' + str(batch):>28} | {'old ms':>9} | {'new ms':>9} | {'speed-up':>8} | exact")
         steps = [torch.randn(batch, VOCAB, device=device, generator=gen) * 4 for _ in range(args.compare_steps)]
         for name, options in COMPARE_CASES.items():
+            if args.cases and not any(word in name for word in args.cases):
+                continue
             new, old = Sampler(batch, device), ReferenceSampler(batch, device)
             exact = True
             new_seqs, old_seqs = seqs_for(batch, options), seqs_for(batch, options)
@@ -122,9 +124,11 @@ def compare(args: argparse.Namespace, device: torch.device) -> None:
                         seq.append_token(token)
             logits = steps[0]
             times = {"old": [], "new": []}
-            for _ in range(3):  # alternate, so that both see the same machine state
-                times["old"].append(timed(lambda o=old, s=old_seqs, x=logits: o(x, s), device, args.iterations // 3))
-                times["new"].append(timed(lambda n=new, s=new_seqs, x=logits: n(x, s), device, args.iterations // 3))
+            sides = [("old", old, old_seqs), ("new", new, new_seqs)]
+            for round_ in range(4):  # alternating, and which side goes first too: both see the same machine
+                for side, sampler, seqs in sides[:: 1 if round_ % 2 else -1]:
+                    times[side].append(timed(lambda s=sampler, q=seqs, x=logits: s(x, q), device,
+                                             max(1, args.iterations // 4)))
             t_old, t_new = statistics.median(times["old"]), statistics.median(times["new"])
             print(f"{name:>28} | {t_old:9.3f} | {t_new:9.3f} | {t_old / t_new:7.2f}x | {'yes' if exact else 'NO'}")
             if args.profile:
@@ -165,6 +169,7 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="the old sampler against the new, per case")
     parser.add_argument("--compare-batch-sizes", type=int, nargs="+", default=[512])
     parser.add_argument("--compare-steps", type=int, default=3, help="steps checked bit for bit per case")
+    parser.add_argument("--cases", nargs="*", default=[], help="with --compare: only cases whose name has a word")
     parser.add_argument("--profile", action="store_true", help="with --compare: kernels/operators per call")
     parser.add_argument("--profile-top", type=int, default=12)
     parser.add_argument("--kernel-blocks", type=int, nargs="*", default=[],

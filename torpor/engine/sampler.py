@@ -11,6 +11,15 @@ The random number has 52 bits, so every other token is drawn with its quantized 
 within 2^-52 (26 bits drew a token below 2^-26 with probability 0 or 2^-26: on a 152k vocabulary
 ~3e-4 of the mass moved per token drawn).
 
+The search (since 2026-12-02) never builds that prefix sum over the whole vocabulary: integer sums are
+exact in any order, so the first column whose cumulative weight passes the target is found from sums of
+blocks of columns, then a cumsum inside the one block that holds it (`_search_blocks`; on CUDA two
+Triton kernels that read the float32 probabilities once, sampler_kernels.py). The token is the full
+cumsum's, bit for bit, for every input (NaN rows included: see sampler_kernels.py); the old draw is kept
+as the tests' reference (tests/references.py). The top-k/top-p path keeps its full cumsums (its sort costs
+more). A batch whose temperatures are all 1.0 skips the division (x / 1.0 == x). Logprobs reach the host
+in the same single copy as the token ids.
+
 CUDA graphs. The sampler runs eagerly on the graph's logits output: whether a batch needs the
 sort for top-k/top-p is a host decision per step (capturing each combination would multiply
 graph memory), and it is a handful of kernels next to the model's hundreds. It makes no host
