@@ -71,6 +71,23 @@ def timed(fn, device: torch.device, iterations: int) -> float:
     return statistics.median(times)
 
 
+def timed_pair(old, new, device: torch.device, iterations: int) -> tuple[float, float, float]:
+    """Median ms of `old` and of `new` (each ends in a host sync), called in turns (which goes first
+    alternates), after one warm-up each; and the median of the per-turn ratios old / new, which a load
+    that drifts during the run (a shared CPU machine) disturbs least."""
+    old(), new()
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(iterations):
+        for side in (0, 1) if i % 2 else (1, 0):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = clock()
+            (old, new)[side]()
+            times[side].append((clock() - start) * 1e3)
+    ratios = [a / b for a, b in zip(*times, strict=True)]
+    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
+
+
 def seqs_for(batch: int, options: dict) -> list[Sequence]:
     return [Sequence(str(i), [1, 2, 3], SamplingParams(seed=i, max_tokens=8192, **options)) for i in range(batch)]
 
@@ -98,7 +115,8 @@ def profile_calls(fn, device: torch.device, calls: int, top: int) -> str:
 
 
 def compare(args: argparse.Namespace, device: torch.device) -> None:
-    """Old against new per case: ms per call (median, alternating), speed-up, bit-identical outputs."""
+    """Old against new per case: ms per call (medians, calls in turns), speed-up (median ratio of the turns),
+    bit-identical outputs."""
     print(f"\nold (full int64 cumsum, tests/references.py) against new sampler, vocab {VOCAB}, median of "
           f"{args.iterations} calls ({args.clock} clock, {torch.get_num_threads()} threads); exact = tokens and "
           f"logprobs bit-identical over {args.compare_steps} steps of random logits")
@@ -123,14 +141,9 @@ def compare(args: argparse.Namespace, device: torch.device) -> None:
                     for seq, token in zip(seqs_, out.token_ids, strict=True):
                         seq.append_token(token)
             logits = steps[0]
-            times = {"old": [], "new": []}
-            sides = [("old", old, old_seqs), ("new", new, new_seqs)]
-            for round_ in range(4):  # alternating, and which side goes first too: both see the same machine
-                for side, sampler, seqs in sides[:: 1 if round_ % 2 else -1]:
-                    times[side].append(timed(lambda s=sampler, q=seqs, x=logits: s(x, q), device,
-                                             max(1, args.iterations // 4)))
-            t_old, t_new = statistics.median(times["old"]), statistics.median(times["new"])
-            print(f"{name:>28} | {t_old:9.3f} | {t_new:9.3f} | {t_old / t_new:7.2f}x | {'yes' if exact else 'NO'}")
+            t_old, t_new, ratio = timed_pair(lambda s=old, q=old_seqs, x=logits: s(x, q),
+                                             lambda s=new, q=new_seqs, x=logits: s(x, q), device, args.iterations)
+            print(f"{name:>28} | {t_old:9.3f} | {t_new:9.3f} | {ratio:7.2f}x | {'yes' if exact else 'NO'}")
             if args.profile:
                 for side, sampler, seqs in (("old", old, old_seqs), ("new", new, new_seqs)):
                     print(f"    {side}:")

@@ -61,7 +61,7 @@ _RANDOM_BITS = 52          # the uniform number per sequence: an int in [0, 2^52
 _HALF_BITS = _RANDOM_BITS // 2
 _PROB_SCALE = 2.0 ** 36    # probability quantum; total * 2^26 stays below 2^63 (no overflow)
 _PROMPT_CHUNK = 512        # prompt positions per log_softmax, to bound temporary memory
-_SEARCH_BLOCK = 1024       # columns per block sum of the CPU draw (`_search_blocks`)
+_SEARCH_BLOCK = 256        # columns per block sum of the CPU draw (`_search_blocks`; 256-512 were fastest)
 
 
 def _splitmix64(x: int) -> int:
@@ -345,6 +345,8 @@ def _inverse_cdf(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         if sampler_kernels.available(probs):
             return sampler_kernels.inverse_cdf(probs, bits)
         return _search_dense(probs.mul_(_PROB_SCALE).long(), bits.long())
+    if probs.shape[1] <= 4 * _SEARCH_BLOCK:  # a few blocks: the full cumsum costs less than ~30 small ops
+        return _search_dense(probs.mul_(_PROB_SCALE).long(), bits.long())
     # The rows with a NaN probability, whose weights are negative (INT64_MIN): a float sum is NaN exactly
     # there (a pass over float32, cheaper on CPU than a min over the int64 weights).
     unsorted = probs.sum(dim=-1).isnan()
@@ -358,7 +360,8 @@ def _search_blocks(weights: torch.Tensor, bits: torch.Tensor, block: int | None 
     negative weight (the cdf is sorted: integer sums are exact in any order); rows with one (NaN logits;
     the CPU checks at no sync cost) take `_search_dense`, whose answer there is its binary search's.
     `unsorted` [rows] bool: rows that may hold a negative weight (default: those that do)."""
-    vocab_size, block = weights.shape[1], block or _SEARCH_BLOCK
+    vocab_size = weights.shape[1]
+    block = min(block or _SEARCH_BLOCK, vocab_size)
     sums = _block_sums(weights, block)                                       # [rows, blocks]
     ends = sums.cumsum(dim=-1)                                               # the cdf at each block's end
     target = _target(ends[:, -1], bits)[:, None]                             # [rows, 1]
