@@ -196,6 +196,13 @@ def main() -> None:
     clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}, triton {triton_version}")
     if args.compare:
         compare(args, device)
     if args.kernel_blocks and device.type == "cuda":
@@ -203,8 +210,7 @@ def main() -> None:
     if not args.batch_sizes:
         return
     max_model_len = args.context + 1
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"vocab {VOCAB}, context {args.context} tokens, median of {args.iterations} steps")
+    print(f"vocab {VOCAB}, context {args.context} tokens, median of {args.iterations} steps")
     print(f"{'batch':>5} | {'bare argmax ms':>14} | " + " | ".join(f"{name:>22}" for name in CASES))
     for batch in args.batch_sizes:
         sampler = Sampler(batch, device, max_model_len, EOS)
