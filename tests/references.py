@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from torpor.engine.models.layers.norm import RMSNorm
 from torpor.engine.models.layers.rotary import apply_rotary
+from torpor.engine.outputs import TokenLogprobs
+from torpor.engine.sampler import BatchParams, Sampler, SamplerOutput
+from torpor.engine.sequence import Sequence
 
 
 class _Norm:
@@ -192,3 +195,128 @@ def shared_prefix_decode_inputs(
     kv = kv.to(device=device, dtype=dtype)
     return (q.to(device=device, dtype=dtype), kv[:, 0], kv[:, 1], block_tables.to(device),
             torch.tensor(context_lens, **as_int), prefixes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sampler as it was before 2026-12-02 (a full-vocabulary int64 cumsum per draw, four host copies for
+# logprobs): the reference the new draw and logprobs must equal bit for bit (tests/cpu/test_sampler_exact.py,
+# tests/gpu/test_sampler_exact.py, scripts/bench_sampler.py). Copied verbatim; only names changed.
+
+
+_PROB_SCALE = 2.0**36  # the old sampler's constants, kept here so that a change of the sampler's cannot hide
+_HALF_BITS = 26
+
+
+class ReferenceSampler(Sampler):
+    """`Sampler` with the draw and logprobs of the old implementation (its inputs, logits processing and
+    batch facts are the current ones, which that change left alone)."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: [num_seqs, vocab] float32, row i for seqs[i]."""
+        num_seqs = len(seqs)
+        if logits.dim() != 2 or logits.shape[0] != num_seqs or logits.dtype != torch.float32:
+            raise ValueError(f"logits must be float32 [{num_seqs}, vocab], got "
+                             f"{logits.dtype} {list(logits.shape)}")
+        if num_seqs > self._inputs.shape[1]:
+            raise ValueError(f"{num_seqs} sequences exceed max_num_seqs ({self._inputs.shape[1]})")
+        batch = self._batch_params(seqs, logits.shape[1])
+        params = batch.params
+        raw_logits = logits  # logprobs are those of the model's own distribution
+        if batch.needs_logits_processing:
+            logits = self._process_logits(logits, seqs)
+        if batch.num_greedy == num_seqs:
+            token_ids = logits.argmax(dim=-1)                               # [num_seqs]
+        elif batch.num_greedy == 0:  # (torch.where over no greedy row would pick these unchanged)
+            token_ids = self._sample(logits, seqs, batch)
+        else:
+            sampled = self._sample(logits, seqs, batch)
+            is_greedy = torch.tensor([p.is_greedy for p in params]).to(logits.device, non_blocking=True)
+            token_ids = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        logprob_rows = batch.logprob_rows
+        logprobs: list[TokenLogprobs | None] = [None] * num_seqs
+        if logprob_rows:
+            num_top = [params[i].logprobs for i in logprob_rows]
+            if len(logprob_rows) == num_seqs:
+                dicts = logprob_dicts_reference(raw_logits, token_ids, num_top)
+            else:
+                rows = torch.tensor(logprob_rows).to(logits.device, non_blocking=True)
+                dicts = logprob_dicts_reference(raw_logits.index_select(0, rows), token_ids.index_select(0, rows),
+                                                num_top)
+            for i, d in zip(logprob_rows, dicts, strict=True):
+                logprobs[i] = d
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> torch.Tensor:
+        """Temperature, min_p, top-k, top-p, then an inverse-CDF draw; [num_seqs] int64 token ids."""
+        inputs = self._load_inputs(seqs, batch)
+        use_min_p, filters = batch.use_min_p, batch.filters
+        if all(filters) or not any(filters):
+            return self._draw(logits, inputs, filters[0], use_min_p)
+        # A row's draw must not depend on its neighbours: rows that filter walk the vocabulary sorted by
+        # probability, the others in id order (the same random number picks another token), so the two
+        # groups are drawn apart.
+        picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for needs_filter in (False, True):
+            rows = [i for i, f in enumerate(filters) if f == needs_filter]
+            index = torch.tensor(rows).to(logits.device, non_blocking=True)
+            group = self._draw(logits.index_select(0, index), inputs.index_select(1, index), needs_filter, use_min_p)
+            picked.index_copy_(0, index, group)
+        return picked
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, inputs: torch.Tensor, needs_filter: bool, use_min_p: bool) -> torch.Tensor:
+        """The draw of `_sample` for rows that all filter (top-k/top-p: sorted vocabulary) or none do."""
+        vocab_size = logits.shape[1]
+        temperature = inputs[0].float()
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)       # [num_seqs, vocab]
+        if use_min_p:
+            # min_p: drop tokens below min_p times the row's most likely one (rows with 0 keep all).
+            min_p = inputs[4].float()
+            probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        if needs_filter:
+            # Stable sort: ties keep token-id order, so top-p cuts are deterministic.
+            probs, order = probs.sort(dim=-1, descending=True, stable=True)
+            # top-k keeps every token as likely as the k-th: tokens of equal logits (common in bf16) are
+            # kept or dropped together, not told apart by their ids (vLLM, transformers).
+            kth = probs.gather(1, inputs[2].long()[:, None] - 1)
+            probs.masked_fill_(probs < kth, 0.0)
+        # Exact fixed-point weights: scaling by a power of two, then truncation.
+        weights = probs.mul_(_PROB_SCALE).long()  # [num_seqs, vocab]
+        del probs
+        if needs_filter:
+            top_p = inputs[1]
+            cdf = weights.cumsum(dim=-1)
+            # Nucleus: keep tokens whose preceding mass is below top_p of the (top-k) total;
+            # exclusive < x  <=>  exclusive < ceil(x) for integers, so this stays exact.
+            threshold = torch.ceil(top_p * cdf[:, -1].double()).long()
+            weights.masked_fill_(cdf - weights >= threshold[:, None], 0)
+        cdf = weights.cumsum(dim=-1)                                        # exact int64
+        # target = floor(total * bits / 2^52) < total, so the first cdf entry above it is a token with
+        # positive weight; in two 26-bit halves (floor of floors is exact), each product below 2^63.
+        total, bits = cdf[:, -1], inputs[3].long()
+        high, low = bits >> _HALF_BITS, bits & ((1 << _HALF_BITS) - 1)
+        target = (total * high + ((total * low) >> _HALF_BITS)) >> _HALF_BITS  # [num_seqs]
+        picked = torch.searchsorted(cdf, target[:, None], right=True)       # [num_seqs, 1]
+        picked.clamp_(max=vocab_size - 1)  # only NaN logits could push it past the end
+        if needs_filter:
+            picked = order.gather(1, picked)
+        return picked.squeeze(1)
+
+
+def logprob_dicts_reference(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """The sampler's `_logprob_dicts` before 2026-12-02 (four host copies), verbatim."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                   # [rows, vocab]
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)             # [rows]
+    max_top = max(num_top)
+    top_ids_host: list[list[int]] = [[] for _ in num_top]
+    top_values_host: list[list[float]] = [[] for _ in num_top]
+    if max_top:
+        top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [rows, max_top], sorted
+        top_ids_host, top_values_host = top_ids.tolist(), top_values.tolist()
+    chosen_ids, chosen_lp = token_ids.tolist(), chosen.tolist()
+    dicts = []
+    for i, k in enumerate(num_top):
+        d = {chosen_ids[i]: chosen_lp[i]}
+        d.update(zip(top_ids_host[i][:k], top_values_host[i][:k], strict=True))
+        dicts.append(d)
+    return dicts

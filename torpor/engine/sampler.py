@@ -11,6 +11,15 @@ The random number has 52 bits, so every other token is drawn with its quantized 
 within 2^-52 (26 bits drew a token below 2^-26 with probability 0 or 2^-26: on a 152k vocabulary
 ~3e-4 of the mass moved per token drawn).
 
+The search (since 2026-12-02) never builds that prefix sum over the whole vocabulary: integer sums are
+exact in any order, so the first column whose cumulative weight passes the target is found from sums of
+blocks of columns, then a cumsum inside the one block that holds it (`_search_blocks`; on CUDA two
+Triton kernels that read the float32 probabilities once, sampler_kernels.py). The token is the full
+cumsum's, bit for bit, for every input (NaN rows included: see sampler_kernels.py); the old draw is kept
+as the tests' reference (tests/references.py). The top-k/top-p path keeps its full cumsums (its sort costs
+more). A batch whose temperatures are all 1.0 skips the division (x / 1.0 == x). Logprobs reach the host
+in the same single copy as the token ids.
+
 CUDA graphs. The sampler runs eagerly on the graph's logits output: whether a batch needs the
 sort for top-k/top-p is a host decision per step (capturing each combination would multiply
 graph memory), and it is a handful of kernels next to the model's hundreds. It makes no host
@@ -52,6 +61,7 @@ _RANDOM_BITS = 52          # the uniform number per sequence: an int in [0, 2^52
 _HALF_BITS = _RANDOM_BITS // 2
 _PROB_SCALE = 2.0 ** 36    # probability quantum; total * 2^26 stays below 2^63 (no overflow)
 _PROMPT_CHUNK = 512        # prompt positions per log_softmax, to bound temporary memory
+_SEARCH_BLOCK = 256        # columns per block sum of the CPU draw (`_search_blocks`; 256-512 were fastest)
 
 
 def _splitmix64(x: int) -> int:
@@ -108,6 +118,8 @@ class BatchParams:
             [0.0] * len(params),
             [p.min_p for p in params],
         ], dtype=np.float64)
+        # Rows whose temperature is exactly 1.0 once rounded to float32 (as the draw divides): x / 1.0 == x.
+        self.unit_temperature = self.rows[0].astype(np.float32) == 1.0
 
 
 @dataclass
@@ -165,16 +177,20 @@ class Sampler:
             token_ids = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
         logprob_rows = batch.logprob_rows
         logprobs: list[TokenLogprobs | None] = [None] * num_seqs
-        if logprob_rows:
-            num_top = [params[i].logprobs for i in logprob_rows]
-            if len(logprob_rows) == num_seqs:
-                dicts = _logprob_dicts(raw_logits, token_ids, num_top)
-            else:
-                rows = torch.tensor(logprob_rows).to(logits.device, non_blocking=True)
-                dicts = _logprob_dicts(raw_logits.index_select(0, rows), token_ids.index_select(0, rows), num_top)
-            for i, d in zip(logprob_rows, dicts, strict=True):
-                logprobs[i] = d
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        if not logprob_rows:
+            return SamplerOutput(token_ids.tolist(), logprobs)
+        num_top = [params[i].logprobs for i in logprob_rows]
+        if len(logprob_rows) == num_seqs:
+            values = _logprob_values(raw_logits, token_ids, max(num_top))
+        else:
+            rows = torch.tensor(logprob_rows).to(logits.device, non_blocking=True)
+            values = _logprob_values(raw_logits.index_select(0, rows), token_ids.index_select(0, rows), max(num_top))
+        host_ids, *host_values = _to_host([token_ids, *values])  # the step's one device -> host copy
+        token_list = host_ids.tolist()
+        chosen_ids = token_list if len(logprob_rows) == num_seqs else [token_list[i] for i in logprob_rows]
+        for i, d in zip(logprob_rows, _build_dicts(chosen_ids, host_values, num_top), strict=True):
+            logprobs[i] = d
+        return SamplerOutput(token_list, logprobs)
 
     def _process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """A copy of `logits` with logit_bias, min_tokens and the penalties applied to the rows that use
@@ -249,7 +265,7 @@ class Sampler:
         inputs = self._load_inputs(seqs, batch)
         use_min_p, filters = batch.use_min_p, batch.filters
         if all(filters) or not any(filters):
-            return self._draw(logits, inputs, filters[0], use_min_p)
+            return self._draw(logits, inputs, filters[0], use_min_p, bool(batch.unit_temperature.all()))
         # A row's draw must not depend on its neighbours: rows that filter walk the vocabulary sorted by
         # probability, the others in id order (the same random number picks another token), so the two
         # groups are drawn apart.
@@ -257,48 +273,121 @@ class Sampler:
         for needs_filter in (False, True):
             rows = [i for i, f in enumerate(filters) if f == needs_filter]
             index = torch.tensor(rows).to(logits.device, non_blocking=True)
-            group = self._draw(logits.index_select(0, index), inputs.index_select(1, index), needs_filter, use_min_p)
+            unit = bool(batch.unit_temperature[rows].all())
+            group = self._draw(logits.index_select(0, index), inputs.index_select(1, index), needs_filter, use_min_p,
+                               unit)
             picked.index_copy_(0, index, group)
         return picked
 
     @staticmethod
-    def _draw(logits: torch.Tensor, inputs: torch.Tensor, needs_filter: bool, use_min_p: bool) -> torch.Tensor:
-        """The draw of `_sample` for rows that all filter (top-k/top-p: sorted vocabulary) or none do."""
-        vocab_size = logits.shape[1]
-        temperature = inputs[0].float()
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)       # [num_seqs, vocab]
+    def _draw(logits: torch.Tensor, inputs: torch.Tensor, needs_filter: bool, use_min_p: bool,
+              unit_temperature: bool = False) -> torch.Tensor:
+        """The draw of `_sample` for rows that all filter (top-k/top-p: sorted vocabulary) or none do.
+        `unit_temperature`: every row's temperature is exactly 1.0 in float32, so the division is skipped
+        (x / 1.0 == x for every float: the same probabilities, bit for bit, without a pass over the logits)."""
+        scaled = logits if unit_temperature else logits / inputs[0].float()[:, None]
+        probs = torch.softmax(scaled, dim=-1)                                # [num_seqs, vocab]
         if use_min_p:
             # min_p: drop tokens below min_p times the row's most likely one (rows with 0 keep all).
             min_p = inputs[4].float()
             probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         if needs_filter:
-            # Stable sort: ties keep token-id order, so top-p cuts are deterministic.
-            probs, order = probs.sort(dim=-1, descending=True, stable=True)
-            # top-k keeps every token as likely as the k-th: tokens of equal logits (common in bf16) are
-            # kept or dropped together, not told apart by their ids (vLLM, transformers).
-            kth = probs.gather(1, inputs[2].long()[:, None] - 1)
-            probs.masked_fill_(probs < kth, 0.0)
-        # Exact fixed-point weights: scaling by a power of two, then truncation.
-        weights = probs.mul_(_PROB_SCALE).long()  # [num_seqs, vocab]
-        del probs
-        if needs_filter:
-            top_p = inputs[1]
-            cdf = weights.cumsum(dim=-1)
-            # Nucleus: keep tokens whose preceding mass is below top_p of the (top-k) total;
-            # exclusive < x  <=>  exclusive < ceil(x) for integers, so this stays exact.
-            threshold = torch.ceil(top_p * cdf[:, -1].double()).long()
-            weights.masked_fill_(cdf - weights >= threshold[:, None], 0)
-        cdf = weights.cumsum(dim=-1)                                        # exact int64
-        # target = floor(total * bits / 2^52) < total, so the first cdf entry above it is a token with
-        # positive weight; in two 26-bit halves (floor of floors is exact), each product below 2^63.
-        total, bits = cdf[:, -1], inputs[3].long()
-        high, low = bits >> _HALF_BITS, bits & ((1 << _HALF_BITS) - 1)
-        target = (total * high + ((total * low) >> _HALF_BITS)) >> _HALF_BITS  # [num_seqs]
-        picked = torch.searchsorted(cdf, target[:, None], right=True)       # [num_seqs, 1]
-        picked.clamp_(max=vocab_size - 1)  # only NaN logits could push it past the end
-        if needs_filter:
-            picked = order.gather(1, picked)
-        return picked.squeeze(1)
+            return _draw_filtered(probs, inputs)
+        return _inverse_cdf(probs, inputs[3])
+
+
+def _target(total: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """floor(total * bits / 2^52) for int64 [rows] totals and random integers; < total where total > 0, so
+    the first cdf entry above it is a token with positive weight. In two 26-bit halves (floor of floors is
+    exact), each product below 2^63."""
+    high, low = bits >> _HALF_BITS, bits & ((1 << _HALF_BITS) - 1)
+    return (total * high + ((total * low) >> _HALF_BITS)) >> _HALF_BITS
+
+
+def _draw_filtered(probs: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """top-k, top-p and the draw over the vocabulary sorted by probability: [num_seqs] int64 token ids.
+    The full int64 cumsums stay here (the sort costs several times more than they do)."""
+    # Stable sort: ties keep token-id order, so top-p cuts are deterministic.
+    probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    # top-k keeps every token as likely as the k-th: tokens of equal logits (common in bf16) are
+    # kept or dropped together, not told apart by their ids (vLLM, transformers).
+    kth = probs.gather(1, inputs[2].long()[:, None] - 1)
+    probs.masked_fill_(probs < kth, 0.0)
+    # Exact fixed-point weights: scaling by a power of two, then truncation.
+    weights = probs.mul_(_PROB_SCALE).long()  # [num_seqs, vocab]
+    del probs
+    cdf = weights.cumsum(dim=-1)
+    # Nucleus: keep tokens whose preceding mass is below top_p of the (top-k) total;
+    # exclusive < x  <=>  exclusive < ceil(x) for integers, so this stays exact.
+    threshold = torch.ceil(inputs[1] * cdf[:, -1].double()).long()
+    weights.masked_fill_(cdf - weights >= threshold[:, None], 0)
+    picked = _search_dense(weights, inputs[3].long())
+    return order.gather(1, picked[:, None]).squeeze(1)
+
+
+def _search_dense(weights: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The token drawn by `bits` [rows] int64 from `weights` [rows, vocab] int64: searchsorted over the
+    whole int64 cdf, clamped to the vocabulary (only NaN logits could push it past the end)."""
+    cdf = weights.cumsum(dim=-1)                                             # exact int64
+    picked = torch.searchsorted(cdf, _target(cdf[:, -1], bits)[:, None], right=True)  # [rows, 1]
+    return picked.squeeze(1).clamp_(max=weights.shape[1] - 1)
+
+
+def _inverse_cdf(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The token of each row drawn by `bits` [rows] (float64 random integers) from `probs` [rows, vocab]
+    (softmax output, maybe masked: each in [0, 1] or NaN): exactly `_search_dense` of the quantized weights
+    (the old draw), by block sums. On CUDA two Triton kernels (sampler_kernels.py); elsewhere the same search
+    in PyTorch; a CUDA device without triton keeps the full cumsum (a block search in PyTorch could not
+    hand a NaN row to the dense search there without a host sync)."""
+    if probs.is_cuda:
+        from torpor.engine import sampler_kernels  # no triton import on CPU engines
+
+        if sampler_kernels.available(probs):
+            return sampler_kernels.inverse_cdf(probs, bits)
+        return _search_dense(probs.mul_(_PROB_SCALE).long(), bits.long())
+    if probs.shape[1] <= 4 * _SEARCH_BLOCK:  # a few blocks: the full cumsum costs less than ~30 small ops
+        return _search_dense(probs.mul_(_PROB_SCALE).long(), bits.long())
+    # The rows with a NaN probability, whose weights are negative (INT64_MIN): a float sum is NaN exactly
+    # there (a pass over float32, cheaper on CPU than a min over the int64 weights).
+    unsorted = probs.sum(dim=-1).isnan()
+    return _search_blocks(probs.mul_(_PROB_SCALE).long(), bits.long(), unsorted=unsorted)
+
+
+def _search_blocks(weights: torch.Tensor, bits: torch.Tensor, block: int | None = None,
+                   unsorted: torch.Tensor | None = None) -> torch.Tensor:
+    """`_search_dense(weights, bits)` without the [rows, vocab] cdf: the sums of `block` columns, the first
+    block whose running total passes the target, a cumsum inside that block only. Exact for rows without a
+    negative weight (the cdf is sorted: integer sums are exact in any order); rows with one (NaN logits;
+    the CPU checks at no sync cost) take `_search_dense`, whose answer there is its binary search's.
+    `unsorted` [rows] bool: rows that may hold a negative weight (default: those that do)."""
+    vocab_size = weights.shape[1]
+    block = min(block or _SEARCH_BLOCK, vocab_size)
+    sums = _block_sums(weights, block)                                       # [rows, blocks]
+    ends = sums.cumsum(dim=-1)                                               # the cdf at each block's end
+    target = _target(ends[:, -1], bits)[:, None]                             # [rows, 1]
+    # The first block whose end passes the target (a target at or past the total counts every block: the
+    # last one then, whose every column counts too, giving a column >= vocab_size: searchsorted's end).
+    first = (ends <= target).sum(dim=-1, keepdim=True).clamp_(max=sums.shape[1] - 1)  # [rows, 1]
+    cols = first * block + torch.arange(block, device=weights.device)                # [rows, block]
+    in_block = weights.gather(1, cols.clamp(max=vocab_size - 1)).masked_fill_(cols >= vocab_size, 0)
+    cdf = in_block.cumsum_(dim=-1).add_(ends.gather(1, first) - sums.gather(1, first))  # + the cdf before it
+    picked = (first.squeeze(1) * block + (cdf <= target).sum(dim=-1)).clamp_(max=vocab_size - 1)
+    if unsorted is None:
+        unsorted = weights.amin(dim=-1) < 0                                   # [rows]
+    if unsorted.any():
+        rows_index = unsorted.nonzero().squeeze(1)
+        picked[rows_index] = _search_dense(weights[rows_index], bits[rows_index])
+    return picked
+
+
+def _block_sums(weights: torch.Tensor, block: int) -> torch.Tensor:
+    """[rows, vocab] int64 -> the sums of each `block` columns [rows, ceil(vocab / block)] (exact)."""
+    vocab_size = weights.shape[1]
+    whole = vocab_size // block * block
+    sums = weights[:, :whole].unflatten(1, (-1, block)).sum(dim=-1)
+    if whole < vocab_size:
+        sums = torch.cat([sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    return sums
 
 
 class TokenHistory:
@@ -384,23 +473,54 @@ class TokenHistory:
         return slot
 
 
-def _logprob_dicts(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """For each row: {actual token: logprob, top-k tokens: logprobs} from log_softmax(logits)."""
+def _logprob_values(logits: torch.Tensor, token_ids: torch.Tensor, max_top: int) -> list[torch.Tensor]:
+    """log_softmax(logits) [rows, vocab] at each row's token ([rows] float32) and, with max_top > 0, its
+    `max_top` largest values ([rows, max_top] float32, sorted) and their ids ([rows, max_top] int64)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)                   # [rows, vocab]
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)             # [rows]
-    max_top = max(num_top)
-    top_ids_host: list[list[int]] = [[] for _ in num_top]
-    top_values_host: list[list[float]] = [[] for _ in num_top]
-    if max_top:
-        top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [rows, max_top], sorted
-        top_ids_host, top_values_host = top_ids.tolist(), top_values.tolist()
-    chosen_ids, chosen_lp = token_ids.tolist(), chosen.tolist()
+    if not max_top:
+        return [chosen]
+    top_values, top_ids = logprobs.topk(max_top, dim=-1)
+    return [chosen, top_values, top_ids]
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """int64 and float32 device tensors on the host in ONE copy (one synchronization instead of one per
+    tensor): packed into an int64 tensor, the float32 ones by their bits (a float's bits, not a conversion
+    on the device, so the host gets the same floats as `tolist()` gave, NaN payloads included)."""
+    if any(t.dtype not in (torch.int64, torch.float32) for t in tensors):
+        raise ValueError(f"only int64 and float32 tensors, got {[t.dtype for t in tensors]}")
+    flat = [t.reshape(-1) if t.dtype == torch.int64 else t.reshape(-1).view(torch.int32).long() for t in tensors]
+    packed = torch.cat(flat).cpu().numpy()
+    arrays, start = [], 0
+    for t in tensors:
+        part = packed[start : start + t.numel()]
+        start += t.numel()
+        if t.dtype == torch.float32:
+            part = part.astype(np.int32).view(np.float32)  # the low 32 bits: the float's own
+        arrays.append(part.reshape(t.shape))
+    return arrays
+
+
+def _build_dicts(chosen_ids: list[int], values: list[np.ndarray], num_top: list[int]) -> list[TokenLogprobs]:
+    """{chosen token: logprob, top tokens: logprobs} per row from `_logprob_values`' arrays on the host."""
+    chosen_lp = values[0].tolist()
+    if len(values) > 1:
+        top_values, top_ids = values[1].tolist(), values[2].tolist()
+    else:
+        top_values = top_ids = [[] for _ in num_top]
     dicts = []
     for i, k in enumerate(num_top):
         d = {chosen_ids[i]: chosen_lp[i]}
-        d.update(zip(top_ids_host[i][:k], top_values_host[i][:k], strict=True))
+        d.update(zip(top_ids[i][:k], top_values[i][:k], strict=True))
         dicts.append(d)
     return dicts
+
+
+def _logprob_dicts(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """For each row: {actual token: logprob, top-k tokens: logprobs} from log_softmax(logits)."""
+    host_ids, *values = _to_host([token_ids, *_logprob_values(logits, token_ids, max(num_top))])
+    return _build_dicts(host_ids.tolist(), values, num_top)
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int],
