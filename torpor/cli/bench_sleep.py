@@ -526,7 +526,9 @@ def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
 
 
 def run_cold_starts(model: str, args: argparse.Namespace, results: dict) -> int:
-    """`--cold-start-only`: the cold starts of `cold_starts`, reported as in `--loader-only`."""
+    """`--cold-start-only`: the cold starts of `cold_starts`, reported as in `--loader-only`, after one start
+    not counted that leaves what a restart finds (the KV-sizing step's memory, Triton's kernels, the bytecode)."""
+    cold_start_phases(model, args)
     cold_starts(model, args, results)
     report_loader(results)
     if args.json:
