@@ -81,6 +81,19 @@ def test_bit_reproducible():
     assert torch.equal(outs[0], outs[1])
 
 
+def captured(step) -> torch.cuda.CUDAGraph:
+    """`step` run once eagerly on a side stream (the kernels compile before the capture), then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def test_cuda_graph_replay_matches_eager():
     # the graph's buffers, sized for the largest inputs below; each replay gets new contents copied in
     max_num_seqs, max_blocks_per_seq = 8, 320
@@ -99,14 +112,7 @@ def test_cuda_graph_replay_matches_eager():
     def step():
         td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 128**-0.5, out, workspace=workspace)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernels before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for seed, lens in enumerate([[1, 17, 4000, 5000, 16, 2, 800, 333], [5119, 0, 64, 65, 1, 1, 1, 3000]]):
         fresh = random_paged_decode_inputs(
@@ -180,14 +186,7 @@ def test_shared_prefixes_in_a_cuda_graph_follow_new_groups():
     for buffer, value in zip((q, lens, *_prefix_tensors(prefixes)), (cases[0][0], cases[0][4],
                                                                      *_prefix_tensors(cases[0][5])), strict=True):
         buffer.copy_(value)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernels before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for case in cases:
         fresh_q, fresh_k, fresh_v, fresh_tables, fresh_lens, fresh_prefixes = case
         k_cache.zero_()[: fresh_k.shape[0]].copy_(fresh_k)
