@@ -210,7 +210,7 @@ def part_prefix() -> None:
                 for splits in (1, 2):
                     def call(q=q, kc=kc, vc=vc, bt=bt, lens=lens, out=out, prefixes=prefixes, splits=splits):
                         td.paged_decode_attention(q, kc, vc, bt, lens, 0.088, out, prefixes=prefixes,
-                                                  num_prefix_splits_=splits)
+                                                  num_prefix_splits=splits)
                     ms = do_bench(call, return_mode="median")
                     print(f"  {layout} prefixes, {splits} prefix split(s): {ms * 1e3:7.1f} us")
             outs = []

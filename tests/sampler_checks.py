@@ -101,3 +101,22 @@ def boundary_bits(weights: torch.Tensor, seed: int) -> torch.Tensor:
                                                                            if b <= vocab_size])
         bits.append(min(-(-cdf[j] * 2**52 // total), 2**52 - 1))
     return torch.tensor(bits, dtype=torch.int64)
+
+
+def run_both(params: list[SamplingParams], logits_for_step, num_steps: int, context: str,
+             device: torch.device | str = "cpu", max_model_len: int = 64) -> None:
+    """The same batch through the current and the reference sampler on `device` for `num_steps` steps (each
+    side's tokens appended to its own sequences), asserting identical outputs at every step."""
+    from references import ReferenceSampler
+
+    from torpor.engine.sampler import Sampler
+
+    new_seqs, old_seqs = twin_sequences(params)
+    new, old = (cls(len(params), device, max_model_len, EOS) for cls in (Sampler, ReferenceSampler))
+    for step in range(num_steps):
+        logits = logits_for_step(step)
+        a, b = new(logits, new_seqs), old(logits.clone(), old_seqs)
+        assert_same_outputs(a, b, f"{context} step {step}")
+        for seqs, out in ((new_seqs, a), (old_seqs, b)):
+            for seq, token in zip(seqs, out.token_ids, strict=True):
+                seq.append_token(token)

@@ -6,21 +6,18 @@ import random
 import numpy as np
 import pytest
 import torch
-from references import ReferenceSampler, logprob_dicts_reference
+from references import logprob_dicts_reference
 from sampler_checks import (
-    EOS,
-    assert_same_outputs,
     boundary_bits,
     float_bits,
     random_logits,
     random_params,
-    twin_sequences,
+    run_both,
 )
 
 from torpor.engine import sampler as sampler_module
 from torpor.engine.sampler import (
     BatchParams,
-    Sampler,
     _logprob_dicts,
     _search_blocks,
     _search_dense,
@@ -28,22 +25,6 @@ from torpor.engine.sampler import (
     compute_prompt_logprobs,
 )
 from torpor.engine.sampling_params import SamplingParams
-
-MAX_MODEL_LEN = 64
-
-
-def run_both(params, logits_for_step, num_steps, context):
-    """The same batch through the current and the reference sampler for `num_steps` steps (tokens appended
-    to each side's own sequences), asserting identical outputs at every step."""
-    new_seqs, old_seqs = twin_sequences(params)
-    new, old = (cls(len(params), "cpu", MAX_MODEL_LEN, EOS) for cls in (Sampler, ReferenceSampler))
-    for step in range(num_steps):
-        logits = logits_for_step(step)
-        a, b = new(logits, new_seqs), old(logits.clone(), old_seqs)
-        assert_same_outputs(a, b, f"{context} step {step}")
-        for seqs, out in ((new_seqs, a), (old_seqs, b)):
-            for seq, token in zip(seqs, out.token_ids, strict=True):
-                seq.append_token(token)
 
 
 @pytest.mark.parametrize("block", [16, 100, 256])

@@ -164,7 +164,7 @@ def test_shared_prefixes_match_reference(shared, num_splits, prefix_splits):
     scale = 32**-0.5
     out = torch.full_like(q, float("nan"))
     td.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits=num_splits,
-                              prefixes=prefixes, num_prefix_splits_=prefix_splits)
+                              prefixes=prefixes, num_prefix_splits=prefix_splits)
     ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
     assert torch.isfinite(out).all()
     assert (out[-2:] == 0).all()  # padding rows: context 0, no prefix, alone

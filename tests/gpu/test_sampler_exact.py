@@ -3,6 +3,7 @@
 random batches, the GRPO shape at Qwen3's vocabulary, and the kernels alone on NaN rows and targets placed
 exactly on the cdf."""
 
+import functools
 import random
 
 import pytest
@@ -13,19 +14,16 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
-from references import ReferenceSampler  # noqa: E402
+import sampler_checks  # noqa: E402
 from sampler_checks import (  # noqa: E402
-    EOS,
-    assert_same_outputs,
     boundary_bits,
     random_logits,
     random_params,
-    twin_sequences,
 )
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from torpor.engine import sampler_kernels  # noqa: E402
-from torpor.engine.sampler import _PROB_SCALE, Sampler, _search_dense  # noqa: E402
+from torpor.engine.sampler import _PROB_SCALE, _search_dense  # noqa: E402
 from torpor.engine.sampling_params import SamplingParams  # noqa: E402
 
 if not sampler_kernels._load_triton():
@@ -39,20 +37,9 @@ if isinstance(sampler_kernels._draw_kernel, InterpretedFunction):
 
 DEVICE = torch.device("cuda")
 QWEN3_VOCAB = 151936
-MAX_MODEL_LEN = 64
 
 
-def run_both(params, logits_for_step, num_steps, context):
-    """The same batch through both samplers on CUDA, `num_steps` steps, outputs identical at each."""
-    new_seqs, old_seqs = twin_sequences(params)
-    new, old = (cls(len(params), DEVICE, MAX_MODEL_LEN, EOS) for cls in (Sampler, ReferenceSampler))
-    for step in range(num_steps):
-        logits = logits_for_step(step)
-        a, b = new(logits, new_seqs), old(logits.clone(), old_seqs)
-        assert_same_outputs(a, b, f"{context} step {step}")
-        for seqs, out in ((new_seqs, a), (old_seqs, b)):
-            for seq, token in zip(seqs, out.token_ids, strict=True):
-                seq.append_token(token)
+run_both = functools.partial(sampler_checks.run_both, device=DEVICE)  # the current and the old sampler, on CUDA
 
 
 def test_the_kernels_draw_on_cuda():

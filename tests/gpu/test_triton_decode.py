@@ -176,7 +176,7 @@ def test_shared_prefixes_in_a_cuda_graph_follow_new_groups():
     lens = torch.empty_like(cases[0][4])
     prefixes = td.DecodePrefixes(*(torch.empty_like(t) for t in _prefix_tensors(cases[0][5])))
     out = torch.empty_like(q)
-    splits = dict(num_splits=1, num_prefix_splits_=2)  # the graph's and the eager call's alike
+    splits = dict(num_splits=1, num_prefix_splits=2)  # the graph's and the eager call's alike
     workspace = torch.empty(56 * 32 * 3 * (128 + 1), dtype=torch.float32, device="cuda")  # 3 splits per row
 
     def step():

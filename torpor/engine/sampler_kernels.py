@@ -28,16 +28,16 @@ Why it is the same token, bit for bit:
 
 Importing this module does not import triton (CPU engines never need it; the interpreter tests must set
 TRITON_INTERPRET before triton's first import): `_load_triton` imports it on first use and only then applies
-`triton.jit` to the functions marked `@_jit`, as layers/fused.py does.
+`triton.jit` to the functions marked `@_jit` (lazy_jit.LazyJit, as layers/fused.py).
 """
 
 from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated until then
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from torpor.engine.lazy_jit import LazyJit
 
 BLOCK = 2048  # columns per block sum: 75 blocks a row at Qwen3's vocabulary (151936)
 _MAX_BLOCKS = 4096  # one program per row adds a row's block sums in registers
@@ -45,28 +45,9 @@ _MAX_BLOCKS = 4096  # one program per row adds a row's block sums in registers
 # Bound by _load_triton(); the kernels below look them up as module globals when they are compiled.
 triton: Any = None
 tl: Any = None
-_JIT_FUNCTIONS: list[str] = []
-
-
-def _jit(fn: Callable) -> Callable:
-    """Marks `fn` for triton.jit, which `_load_triton` applies, replacing the module-level function."""
-    _JIT_FUNCTIONS.append(fn.__name__)
-    return fn
-
-
-@functools.cache
-def _load_triton() -> bool:
-    """Import triton and jit the kernels, once; False where triton cannot be imported."""
-    global triton, tl
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return False
-    module = globals()
-    for name in _JIT_FUNCTIONS:
-        module[name] = triton.jit(module[name])
-    return True
+_kernels = LazyJit(globals())
+_jit = _kernels.jit
+_load_triton = _kernels.load  # import triton and jit the kernels, once; False where triton cannot be imported
 
 
 def available(probs: torch.Tensor) -> bool:

@@ -240,9 +240,8 @@ def _decode_split_kernel(
                 pid, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, prefix_lens_ptr,
                 group_starts_ptr, group_members_ptr, partial_out_ptr, lse_ptr, scale_log2, q_stride_seq,
                 q_stride_head, cache_stride_block, cache_stride_token, cache_stride_head, bt_stride_seq,
-                NUM_Q_HEADS, QUERIES_PER_KV, HEAD_DIM, BLOCK_SIZE, PREFIX_SPLITS, PREFIX_SPLITS + NUM_SPLITS, BLOCK_M,
-                BLOCK_N,
-                DOT_DTYPE, DOT_PRECISION)
+                NUM_Q_HEADS, QUERIES_PER_KV, HEAD_DIM, BLOCK_SIZE, PREFIX_SPLITS, PREFIX_SPLITS + NUM_SPLITS,
+                BLOCK_M, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
         else:
             _own_program(
                 pid, kv_head, split - PREFIX_SPLITS, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -331,14 +330,6 @@ def num_decode_splits(
     return max(1, min(wanted, max_useful, _MAX_SPLITS))
 
 
-def num_prefix_splits(
-    num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int, device: torch.device
-) -> int:
-    """Splits of each shared prefix: as many as the own tokens get (measured on an H200 at the GRPO shape, 512
-    sequences: one split each beats two and four, shared or not)."""
-    return num_decode_splits(num_seqs, num_kv_heads, max_blocks_per_seq, block_size, device)
-
-
 def _workspace_numel(num_seqs: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     # fp32 partial outputs [num_seqs, num_q_heads, num_splits, head_dim] then lse [..., num_splits]
     return 0 if num_splits == 1 else num_seqs * num_q_heads * num_splits * (head_dim + 1)
@@ -357,9 +348,8 @@ def decode_workspace_shape(
     """Shape of a flat fp32 workspace serving every batch size from 1 to max_num_seqs (with `prefixes`:
     calls that pass shared prefixes, whose splits add up)."""
 
-    def splits(n: int) -> int:
-        own = num_decode_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device)
-        return own + (num_prefix_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device) if prefixes else 0)
+    def splits(n: int) -> int:  # a shared prefix gets as many splits as the own tokens by default
+        return num_decode_splits(n, num_kv_heads, max_blocks_per_seq, block_size, device) * (2 if prefixes else 1)
 
     return (max(_workspace_numel(n, num_q_heads, head_dim, splits(n)) for n in range(1, max_num_seqs + 1)),)
 
@@ -484,7 +474,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     prefixes: DecodePrefixes | None = None,
-    num_prefix_splits_: int | None = None,
+    num_prefix_splits: int | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache; writes and returns `out`.
@@ -492,7 +482,8 @@ def paged_decode_attention(
     q, out: [num_seqs, num_q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
     (0 gives a zero output). num_splits defaults to num_decode_splits(...). With `prefixes`, each group's
-    shared prefix is read once for all its members (num_prefix_splits_ splits, default num_prefix_splits(...))
+    shared prefix is read once for all its members (num_prefix_splits splits, default num_splits: measured on
+    an H200 at the GRPO shape, one each beat two and four, shared or not)
     and each sequence's own tokens after it apart; the merge of the splits is fixed, so results are
     bit-reproducible and the same whatever the grouping. workspace: a flat fp32 tensor of at least
     decode_workspace_shape(..., prefixes=prefixes is not None) elements; without one, a per-device buffer is
@@ -508,10 +499,9 @@ def paged_decode_attention(
     prefix_splits = 0
     if prefixes is not None:
         _check_prefixes(prefixes, num_seqs, q.device)
-        prefix_splits = num_prefix_splits_ or num_prefix_splits(
-            num_seqs, num_kv_heads, block_tables.shape[1], block_size, q.device)
+        prefix_splits = num_prefix_splits or num_splits
         if not 1 <= prefix_splits <= _MAX_SPLITS:
-            raise ValueError(f"num_prefix_splits_ must be in [1, {_MAX_SPLITS}], got {prefix_splits}")
+            raise ValueError(f"num_prefix_splits must be in [1, {_MAX_SPLITS}], got {prefix_splits}")
     total_splits = prefix_splits + num_splits
     partial_out = lse = out  # one split: phase 1 writes `out` itself and never touches these
     if total_splits > 1:

@@ -27,11 +27,11 @@ from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotati
 
 import functools
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from torpor.engine.lazy_jit import LazyJit
 from torpor.engine.models.config import DTYPES
 
 _SUPPORTED_DTYPES = tuple(DTYPES.values())
@@ -41,23 +41,16 @@ _MAX_HIDDEN = 16384  # one row per program, held in registers
 triton: Any = None
 tl: Any = None
 libdevice: Any = None  # triton.language.extra's libdevice (exp, rsqrt), or None where it cannot be imported
-_JIT_FUNCTIONS: list[str] = []
-
-
-def _jit(fn: Callable) -> Callable:
-    """Marks `fn` for triton.jit, which `_load_triton` applies, replacing the module-level function."""
-    _JIT_FUNCTIONS.append(fn.__name__)
-    return fn
+_kernels = LazyJit(globals())
+_jit = _kernels.jit
 
 
 @functools.cache
 def _load_triton() -> bool:
-    """Import triton and jit the kernels, once; False where triton cannot be imported."""
-    global triton, tl, libdevice
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    """Import triton and jit the kernels, once (lazy_jit.LazyJit), and find libdevice; False where triton cannot
+    be imported."""
+    global libdevice
+    if not _kernels.load():
         return False
     # The generic module (3.6, 3.9) dispatches to the backend's libdevice; the CUDA one is the older path.
     for name in ("triton.language.extra.libdevice", "triton.language.extra.cuda.libdevice"):
@@ -66,9 +59,6 @@ def _load_triton() -> bool:
             break
         except ImportError:
             continue
-    module = globals()
-    for name in _JIT_FUNCTIONS:
-        module[name] = triton.jit(module[name])
     return True
 
 

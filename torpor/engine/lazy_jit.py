@@ -1,0 +1,42 @@
+"""Triton kernels written as plain functions of a module and jitted on first use, so that importing the module
+never imports triton: CPU engines never need it, and Triton's interpreter tests must set TRITON_INTERPRET before
+its first import. Used by models/layers/fused.py and sampler_kernels.py."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class LazyJit:
+    """`@kernels.jit` marks a function of the module whose globals are `namespace`; `kernels.load()` imports
+    triton, binds `triton` and `tl` in that namespace (the kernels look them up there when they are compiled)
+    and replaces each marked function by its `triton.jit`, once. False where triton cannot be imported."""
+
+    def __init__(self, namespace: dict) -> None:
+        self._namespace = namespace
+        self._names: list[str] = []
+        self._lock = threading.Lock()
+        self._loaded: bool | None = None
+
+    def jit(self, fn: Callable) -> Callable:
+        self._names.append(fn.__name__)
+        return fn
+
+    def load(self) -> bool:
+        if self._loaded is None:  # every launch asks: no lock once it is known
+            with self._lock:
+                if self._loaded is None:
+                    self._loaded = self._import()
+        return self._loaded
+
+    def _import(self) -> bool:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            return False
+        self._namespace.update(triton=triton, tl=tl)
+        for name in self._names:
+            self._namespace[name] = triton.jit(self._namespace[name])
+        return True
