@@ -56,6 +56,9 @@ class Env:
     # TORPOR_DECODE_PREFIXES=0: the GPU decode kernel reads every sequence's whole context itself instead of
     # reading each shared prompt prefix once per group of sequences (attention/triton_decode.py); for A/B runs.
     decode_prefixes: bool = True
+    # TORPOR_OVERLAP_LOAD=0: the start-up loads the weights before sizing the KV cache and capturing the graphs
+    # instead of beside them (engine/background_load.py); for A/B runs.
+    overlap_load: bool = True
 
     @classmethod
     def read(cls) -> Env:
@@ -71,4 +74,5 @@ class Env:
             debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
             kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
             decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
+            overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("1", "0")) == "1",
         )

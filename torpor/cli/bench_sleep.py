@@ -88,15 +88,19 @@ def build(model: str, args: argparse.Namespace, **options):
 
 PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
 CAPTURE_LINE = re.compile(r"cuda graph batch size (\d+): warm-up ([0-9.]+) s, capture ([0-9.]+) s")
+BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited for ([0-9.]+) s")
 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
-                      bytecode_cache: bool = True) -> dict:
+                      bytecode_cache: bool = True, overlap_load: bool = True) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
     (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token. The process starts as the
-    `torpor` command does (lazy.use_bytecode_cache first) unless `bytecode_cache` is False."""
+    `torpor` command does (lazy.use_bytecode_cache first) unless `bytecode_cache` is False. With `overlap_load`
+    (the default path) the weights load on a thread of their own beside the KV sizing and the graph capture: the
+    phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and `weight_load_beside_s`
+    the load's own seconds; without, the old order (`weight_load` first)."""
     import os
     import subprocess
 
@@ -109,7 +113,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
             "print('ENGINE', t1 - t0, flush=True); llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); "
             "print('FIRST_TOKEN', time.perf_counter() - t1, flush=True); print('READY', time.time(), flush=True)")
     start = time.time()  # the child reports when its first token came: its exit is not start-up
-    env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0")
+    env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0",
+               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     if "READY" not in out.stdout:
         raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
@@ -127,8 +132,10 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     graphs = [dict(batch_size=int(size), warm_up_s=float(warm), capture_s=float(capture))
               for size, warm, capture in CAPTURE_LINE.findall(out.stderr)]
     cache = [line.split(maxsplit=1)[1] for line in out.stdout.splitlines() if line.startswith("BYTECODE ")]
+    beside = BESIDE_LINE.findall(out.stderr)
     return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr,
-                graph_capture=graphs, bytecode_cache=cache[0] if cache and cache[0] != "None" else None)
+                graph_capture=graphs, bytecode_cache=cache[0] if cache and cache[0] != "None" else None,
+                weight_load_beside_s=float(beside[-1][0]) if beside else None)
 
 
 def drop_page_cache(files) -> None:
@@ -518,10 +525,12 @@ def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
 
 
 def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
-    """A restart profiling its KV-sizing step (the old path), then one reading back the step it measured, then
-    the same without the bytecode cache (where Python may not write bytecode, every start compiles)."""
+    """A restart profiling its KV-sizing step (the old path), then one reading back the step it measured, the same
+    loading the weights before the rest (the old order, not beside it), and without the bytecode cache (where
+    Python may not write bytecode, every start compiles)."""
     results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False)
     results["cold_start_phases"] = cold_start_phases(model, args)
+    results["cold_start_phases_sequential"] = cold_start_phases(model, args, overlap_load=False)
     results["cold_start_phases_compiling"] = cold_start_phases(model, args, bytecode_cache=False)
 
 
@@ -545,6 +554,7 @@ def report_loader(r: dict) -> None:
         report_reloads(console, r)
     for key, label in (("cold_start_phases_profiling", "profiling its step"),
                        ("cold_start_phases", "the step's memory read back"),
+                       ("cold_start_phases_sequential", "read back, the weights loaded first (old order)"),
                        ("cold_start_phases_compiling", "read back, no bytecode cache")):
         if key in r:
             c = r[key]
@@ -557,6 +567,9 @@ def report_loader(r: dict) -> None:
                 sizes = ", ".join(f"{g['batch_size']}: {g['warm_up_s']:.3f}+{g['capture_s']:.3f}"
                                   for g in c["graph_capture"])
                 console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
+            if c.get("weight_load_beside_s") is not None:
+                console.print(f"  the weight load on its own thread, beside the KV sizing and graph capture: "
+                              f"{c['weight_load_beside_s']:.2f} s")
 
 
 def report_reloads(console, r: dict) -> None:

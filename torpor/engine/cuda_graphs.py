@@ -26,10 +26,11 @@ class CudaGraphRunner:
     """Captures `run_decode` for every size in `batch_sizes`, largest first so the smaller graphs reuse
     the pool memory of the larger ones. The pool is the `cuda_graph` tag of `memory` when given (it then
     sleeps and wakes with the tag), else a private pool. Call on a side stream (the engine's). Replay reads
-    whatever `buffers.load` copied in."""
+    whatever `buffers.load` copied in. `capture_error_mode`: CUDA's ("global", "thread_local", "relaxed"):
+    "thread_local" while another thread of the process makes CUDA calls (the start-up's weight load)."""
 
     def __init__(self, model: nn.Module, buffers: DecodeBuffers, batch_sizes: tuple[int, ...],
-                 max_model_len: int, memory=None) -> None:
+                 max_model_len: int, memory=None, capture_error_mode: str = "global") -> None:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None if memory is not None else torch.cuda.graph_pool_handle()
         for batch_size in sorted(batch_sizes, reverse=True):
@@ -38,18 +39,19 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             scope = memory.graph_pool("cuda_graph") if memory is not None else contextlib.nullcontext(pool)
             with scope as graph_pool:
-                torch.cuda.synchronize()
+                # This stream only: a weight load beside the capture keeps the device busy on another.
+                torch.cuda.current_stream().synchronize()
                 warmed = time.perf_counter()
                 # Captured on the current (the engine's) stream, not through torch.cuda.graph(): that
                 # makes a default capture stream, i.e. PyTorch's whole stream pool, whatever stream it is given.
-                graph.capture_begin(pool=graph_pool)
+                graph.capture_begin(pool=graph_pool, capture_error_mode=capture_error_mode)
                 try:
                     run_decode(model, buffers, batch_size, max_model_len)
                 finally:
                     graph.capture_end()  # also instantiates the graph
             self.graphs[batch_size] = graph
             _log_capture(batch_size, warmed - start, time.perf_counter() - warmed)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
     def replay(self, buffers: DecodeBuffers, batch_size: int) -> torch.Tensor:
         self.graphs[batch_size].replay()

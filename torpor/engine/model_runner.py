@@ -6,7 +6,8 @@ buffer lands where sleep mode expects it:
 
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model (parameters and the RoPE table)
-    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters
+    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters: on a thread of
+                 its own, beside the phases below until the graphs are captured (background_load.py)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
+from torpor.engine.background_load import BackgroundLoad
 from torpor.engine.config import EngineConfig
 from torpor.engine.cuda_graphs import CudaGraphRunner, run_decode
 from torpor.engine.distributed import min_over_ranks, tp_size
@@ -47,6 +49,7 @@ from torpor.engine.phase_times import phase
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
 from torpor.engine.weight_staging import StagingBuffers
+from torpor.env import Env
 from torpor.lazy import collector_paused
 
 logger = logging.getLogger("torpor.engine")
@@ -54,8 +57,6 @@ logger = logging.getLogger("torpor.engine")
 
 def debug_logging() -> None:
     """With TORPOR_DEBUG=1, print `torpor.engine`'s debug lines (start-up phases, loads) on stderr."""
-    from torpor.env import Env
-
     if Env.read().debug and not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s torpor.engine %(message)s"))
@@ -115,20 +116,44 @@ class ModelRunner:
                 self.engine_stream.make_gemm_workspace()
         with self._tag("weights"), timed_phase("model_build"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
-        # Outside the tag, as every reload: the load writes into the parameters and allocates only
-        # temporaries (the finite check's), which must not stay cached in the weights' pool.
-        with timed_phase("weight_load"):
-            load_weights(self.model, config.model, self.staging)
-        # Under tensor parallelism every rank must hold the blocks the scheduler (on rank 0) hands out.
-        with timed_phase("kv_cache_sizing"):
-            self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
         self.graphs: CudaGraphRunner | None = None
         # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
         # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.
         self.pad_decode_batches = on_gpu
-        self._allocate_runtime()
+        if Env.read().overlap_load:
+            self._start_beside_load(config)
+        else:
+            # Outside the tag, as every reload: the load writes into the parameters and allocates only
+            # temporaries (the finite check's), which must not stay cached in the weights' pool.
+            with timed_phase("weight_load"):
+                load_weights(self.model, config.model, self.staging)
+            self._size_and_allocate(config, capture_error_mode="global")
         if on_gpu:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
+
+    def _start_beside_load(self, config: EngineConfig) -> None:
+        """The weights copied on a thread of their own while the KV cache is sized and the graphs captured
+        (neither reads the weights' values: background_load.py); the finite check once they are in."""
+        load_stream = EngineStream(self.device)  # no GEMM workspace: copies only
+        try:
+            with timed_phase("weight_load_plan"):  # every header checked before any byte is written
+                load = BackgroundLoad(self.model, config.model, self.staging, load_stream.stream)
+            try:
+                # The load's thread makes driver calls (pinning, events) while the graphs are captured.
+                self._size_and_allocate(config, capture_error_mode="thread_local")
+            except BaseException:
+                load.abandon()
+                raise
+            with timed_phase("weight_load_wait"):
+                load.finish()
+        finally:
+            load_stream.close()
+
+    def _size_and_allocate(self, config: EngineConfig, capture_error_mode: str) -> None:
+        # Under tensor parallelism every rank must hold the blocks the scheduler (on rank 0) hands out.
+        with timed_phase("kv_cache_sizing"):
+            self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
+        self._allocate_runtime(capture_error_mode)
 
     def close(self) -> None:
         """Free the graphs and the GEMM workspace, then give up the engine's stream (kept for the next
@@ -174,7 +199,7 @@ class ModelRunner:
         m = self.model_config
         return self.backend.decode_group_size(m.num_attention_heads // tp_size(), m.num_key_value_heads // tp_size())
 
-    def _allocate_runtime(self) -> None:
+    def _allocate_runtime(self, capture_error_mode: str) -> None:
         config, m = self.config, self.model_config
         num_blocks = config.num_kv_blocks + 1  # + the scratch block, id num_kv_blocks
         with self._tag("runtime"):
@@ -196,7 +221,7 @@ class ModelRunner:
             if not config.enforce_eager:
                 with torch.inference_mode(), timed_phase("cuda_graph_capture"):
                     self.graphs = CudaGraphRunner(self.model, self.buffers, config.cuda_graph_batch_sizes,
-                                                  config.max_model_len, self.memory)
+                                                  config.max_model_len, self.memory, capture_error_mode)
 
     # ---- weights -----------------------------------------------------------------------------
     def reload_weights(self, path: str) -> None:

@@ -1,0 +1,128 @@
+"""The start-up's weight load on a thread of its own (engine/background_load.py): the same bits as the plain
+loader, every failure on the caller's thread (a bad header at once, a failed copy or a non-finite value at
+`finish`), and an engine started with it answers exactly as one that loads the weights first."""
+
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from torpor.engine import LLM, SamplingParams
+from torpor.engine.attention.torch_backend import TorchAttentionBackend
+from torpor.engine.background_load import BackgroundLoad
+from torpor.engine.checkpoint import make_model
+from torpor.engine.loader import CheckpointError, load_weights_reference
+from torpor.engine.models import ModelConfig, build_model
+from torpor.engine.weight_staging import StagingBuffers
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """tiny-llama in 3+ shards (fused q/k/v and gate/up in the model)."""
+    return make_model("tiny-llama", tmp_path_factory.mktemp("bg") / "llama", progress=False, max_shard_bytes=150_000)
+
+
+def new_model(path):
+    model = build_model(ModelConfig.from_pretrained(path), TorchAttentionBackend(), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))  # nothing of this survives a complete load
+    return model
+
+
+def copy_of(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def load_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "torpor-weight-load"]
+
+
+def test_background_load_matches_the_plain_loader(sharded):
+    reference = new_model(sharded)
+    load_weights_reference(reference, sharded)
+    model = new_model(sharded)
+    load = BackgroundLoad(model, sharded, StagingBuffers("cpu", buffer_bytes=4096, count=3), None)
+    load.finish()
+    assert not load_threads()
+    for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_bad_header_fails_before_any_thread_starts(sharded, tmp_path):
+    path = copy_of(sharded, tmp_path / "bad")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = path / sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    tensors[name] = torch.zeros(3, 5)  # a shape the model does not have
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        BackgroundLoad(new_model(sharded), path, StagingBuffers("cpu"), None)
+    assert not load_threads()
+
+
+def test_a_failed_copy_is_raised_by_finish(sharded, tmp_path):
+    """The files shrink after the plan (replaced while loading): `finish` raises on the caller's thread, with
+    weights_written (the engine must not serve them)."""
+    path = copy_of(sharded, tmp_path / "shrinks")
+    model = new_model(path)
+    started = threading.Event()
+    original = StagingBuffers.take
+
+    def take_after_shrinking(self, count, nbytes):  # the plan is made; now the files change under it
+        for file in path.glob("*.safetensors"):
+            file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+        started.set()
+        return original(self, count, nbytes)
+
+    staging = StagingBuffers("cpu", buffer_bytes=4096, count=2)
+    staging.take = take_after_shrinking.__get__(staging)
+    load = BackgroundLoad(model, path, staging, None)
+    with pytest.raises(CheckpointError, match="the file ended early") as error:
+        load.finish()
+    assert started.is_set() and error.value.weights_written and not load_threads()
+
+
+def test_a_non_finite_value_is_refused_at_finish(sharded, tmp_path):
+    path = copy_of(sharded, tmp_path / "nan")
+    shard = next(iter(sorted(path.glob("*.safetensors"))))
+    tensors = load_file(shard)
+    name = sorted(tensors)[-1]
+    tensors[name][..., 0] = float("inf")
+    save_file(tensors, str(shard))
+    load = BackgroundLoad(new_model(path), path, StagingBuffers("cpu"), None)
+    with pytest.raises(CheckpointError, match=f"{name}.*non-finite") as error:
+        load.finish()
+    assert error.value.weights_written
+
+
+def test_abandon_waits_for_the_copies(sharded):
+    """A start-up that fails meanwhile joins the load before the parameters can go (nothing writes into them
+    afterwards)."""
+    model = new_model(sharded)
+    load = BackgroundLoad(model, sharded, StagingBuffers("cpu", buffer_bytes=4096, count=2), None)
+    load.abandon()
+    assert not load_threads()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_an_engine_started_beside_its_load_answers_as_one_loading_first(tiny_model_path, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    answers = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("TORPOR_OVERLAP_LOAD", overlap)
+        llm = LLM(tiny_model_path, device="cpu", max_num_seqs=4, max_model_len=128)
+        try:
+            outs = llm.generate(prompts, params)
+            answers[overlap] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        finally:
+            llm.close()
+        assert not load_threads()
+    assert answers["1"] == answers["0"]

@@ -1,0 +1,85 @@
+"""The start-up's weight load, on a thread of its own beside the KV-cache sizing and the CUDA-graph capture.
+
+Neither of those needs the weights' values: the sizing reads how much memory a step takes, the graphs record
+the parameters' addresses (an eager warm-up step runs before each capture, on whatever the parameters hold so
+far; its output and the K/V it writes into the scratch block are thrown away). So the copies of the checkpoint
+(`weight_staging.copy_planned`, ~1 s for 16 GB) run meanwhile, and the engine serves only after `finish`.
+
+What runs where:
+- the caller's thread: the plan (every header, name, shape and dtype checked before any byte is written, so a
+  bad checkpoint fails the start-up at once) and, in `finish`, the finite check and the debug line;
+- the load's thread: only the copies, on a stream of its own (CUDA). It allocates no device memory from Python
+  and frees none (the finite check's temporaries would): a thread holding the GIL while it waits for the
+  caching allocator's mutex could deadlock with a capture whose allocator callback needs the GIL
+  (docs/memory.md, "Threads"). Its driver calls (pinning the staging buffers, events) are why the graphs are
+  captured in the "thread_local" capture mode meanwhile: "global" would let another thread's call end a capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torpor.engine.loader import CheckpointError, check_finite, plan_checkpoint
+
+logger = logging.getLogger("torpor.engine")
+
+
+class BackgroundLoad:
+    """`path` planned against `model` now (CheckpointError if it does not fit), copied on a new thread through
+    `staging` on `stream` (a CUDA stream, or None on CPU). Call `finish` (or `abandon`) exactly once."""
+
+    def __init__(self, model: nn.Module, path: str | Path, staging, stream: torch.cuda.Stream | None) -> None:
+        self.path = path
+        self._start = time.perf_counter()
+        self._entries, self._copies = plan_checkpoint(model, path)
+        self._planned = time.perf_counter()
+        self._staging, self._stream = staging, stream
+        self._device = next(model.parameters()).device
+        self._error: BaseException | None = None
+        self._nbytes = 0
+        self._copied = self._planned
+        self._thread = threading.Thread(target=self._run, name="torpor-weight-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from torpor.engine.weight_staging import copy_planned
+
+        try:
+            if self._stream is not None:
+                torch.cuda.set_device(self._device)  # a new thread starts on device 0
+                with torch.cuda.stream(self._stream):
+                    self._nbytes = copy_planned(self._entries, self._copies, self._staging)  # synchronizes it
+            else:
+                self._nbytes = copy_planned(self._entries, self._copies, self._staging)
+        except BaseException as e:  # re-raised by finish, on the caller's thread
+            self._error = e
+        self._copied = time.perf_counter()
+
+    def finish(self) -> None:
+        """Wait for the copies, then check every parameter is finite; CheckpointError (weights_written) if the
+        load failed. Logs the load's split at debug level (its own thread's seconds, and the wait)."""
+        waited = time.perf_counter()
+        self._thread.join()
+        joined = time.perf_counter()
+        if isinstance(self._error, CheckpointError):
+            raise self._error
+        if self._error is not None:
+            raise CheckpointError(f"loading {self.path} failed after writing weights: {self._error}",
+                                  weights_written=True) from self._error
+        check_finite(self._copies)
+        seconds = self._copied - self._planned
+        logger.debug("loaded %.3f GB from %s beside the start-up: plan %.3f s, copy %.3f s (%.1f GB/s), finite "
+                     "check %.3f s", self._nbytes / 1e9, self.path, self._planned - self._start, seconds,
+                     self._nbytes / 1e9 / max(seconds, 1e-9), time.perf_counter() - joined)
+        logger.debug("weight load beside the start-up: %.3f s, waited for %.3f s", self._copied - self._start,
+                     joined - waited)
+
+    def abandon(self) -> None:
+        """The start-up failed meanwhile: wait for the copies (they write into the parameters), drop any error."""
+        self._thread.join()
