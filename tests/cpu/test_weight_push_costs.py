@@ -71,6 +71,29 @@ def test_the_finite_check_names_the_first_bad_tensor_across_dtypes():
     assert first_non_finite([a, bad_b, bad_c]) == 1
 
 
+def test_the_finite_check_of_a_flattened_bucket_reduces_it_once_and_still_names_the_tensor():
+    """The views of one bucket (16-byte aligned, mixed dtypes) are reduced per dtype as one run: a NaN in any
+    of them is found and named, one in the padding between them is not a tensor's."""
+    from torpor.engine.weight_transfer import named_tensors_of
+    from torpor.rl import bucket_named_tensors
+
+    named = [("a", torch.randn(5, 3)), ("b", torch.randn(7).bfloat16()), ("c", torch.randn(9)),
+             ("d", torch.randn(2, 3).half()), ("e", torch.randn(11))]
+    bucket = next(iter(bucket_named_tensors(named, bucket_bytes=1 << 20)))
+    views = [t for _, t in named_tensors_of(bucket.payload(), "flattened_bucket")]
+    assert first_non_finite(views) is None
+    for k in range(len(views)):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            broken = [v.clone() if i != k else v for i, v in enumerate(views)]  # the others moved out of the run
+            original = views[k].view(-1)[-1].item()
+            views[k].view(-1)[-1] = value
+            assert first_non_finite(views) == k and first_non_finite(broken) == k
+            views[k].view(-1)[-1] = original
+    padding = bucket.flattened[5 * 3 * 4 : 5 * 3 * 4 + 4]  # after "a" (60 bytes, padded to 64)
+    padding.view(torch.float32)[0] = float("nan")
+    assert first_non_finite(views) is None
+
+
 # ---- the RoPE table -------------------------------------------------------------------------------------
 def test_a_level_2_push_in_buckets_restores_the_rope_table(tiny_model_path, new_weights_path):
     llm = LLM(tiny_model_path, **ENGINE)

@@ -154,6 +154,9 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
               f"{figures['buckets']} buckets, {figures['staged']:g} of {figures['requests']} requests staged off the "
               f"engine thread; the engine thread busy {figures['push_engine_s']:.4f} s of it)")
         print(f"serve push, {d} in flight, per request: {format_phases(figures['push_phases_ms_per_request'])}")
+        trainer = figures["trainer_ms_per_request"]
+        print(f"serve push, {d} in flight, the trainer per request (ms): "
+              + " + ".join(f"{name} {ms:.3f}" for name, ms in trainer.items()))
     print(f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
     return result
@@ -164,7 +167,10 @@ def _push_figures(reports) -> dict:
     return {"push_s": push_s, "push_gbps": reports[0].bytes / push_s / GB, "buckets": reports[0].buckets,
             "requests": reports[0].requests, "staged": _median([p.staged for p in reports]),
             "push_engine_s": _median([p.engine_phases.get("total", p.engine_seconds) for p in reports]),
-            "push_phases_ms_per_request": phases_per_request(reports)}
+            "push_phases_ms_per_request": phases_per_request(reports),
+            "trainer_ms_per_request": {name: _median([r.trainer_phases.get(name, 0.0) * 1e3 / max(r.requests, 1)
+                                                      for r in reports])
+                                       for name in ("bucket", "sync", "serialize", "wait")}}
 
 
 def phases_per_request(reports) -> dict[str, float]:

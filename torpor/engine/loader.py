@@ -373,25 +373,73 @@ def load_weights_reference(model: nn.Module, path: str | Path) -> None:
 
 
 def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
-    """Index of the first tensor holding a NaN or an infinity, else None. One `aminmax` reduction per
-    tensor on its own device (NaN propagates into min and max; ±inf is the min or the max): no bool
-    temporary of the tensor's size, 30x faster than `isfinite().all()` on CPU. The extremes are stacked
-    per device and dtype (a handful of launches, not three per tensor) and read with one synchronization
-    per device for all of them."""
-    groups: dict[torch.device, dict[torch.dtype, tuple[list[int], list[torch.Tensor]]]] = {}
-    for i, tensor in enumerate(tensors):
-        if tensor.numel() and tensor.is_floating_point():
-            indices, extremes = groups.setdefault(tensor.device, {}).setdefault(tensor.dtype, ([], []))
-            indices.append(i)
-            extremes.extend(torch.aminmax(tensor))
+    """Index of the first tensor holding a NaN or an infinity, else None. One `aminmax` reduction per run of
+    tensors (NaN propagates into min and max; ±inf is the min or the max): no bool temporary of the tensor's
+    size, 30x faster than `isfinite().all()` on CPU. A run is one tensor, or tensors lying one after the
+    other in one storage (a flattened bucket's views: one reduction over the bucket instead of one per
+    tensor). The extremes are stacked per device and dtype and read with one synchronization per device;
+    a run found non-finite is then checked tensor by tensor (the padding between them may be anything)."""
+    groups: dict[torch.device, dict[torch.dtype, tuple[list[list[int]], list[torch.Tensor]]]] = {}
+    for members, covering in _runs(tensors):
+        runs, extremes = groups.setdefault(covering.device, {}).setdefault(covering.dtype, ([], []))
+        runs.append(members)
+        extremes.extend(torch.aminmax(covering))
     bad = []
     for by_dtype in groups.values():
-        order = [i for indices, _ in by_dtype.values() for i in indices]
-        finite = torch.cat([torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1)  # [tensors of the dtype]
+        runs = [members for run_list, _ in by_dtype.values() for members in run_list]
+        finite = torch.cat([torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1)  # [runs of the dtype]
                             for _, extremes in by_dtype.values()])
         if not bool(finite.all()):
-            bad.append(min(order[int(j)] for j in (~finite).nonzero().view(-1).tolist()))
+            bad += [i for j in (~finite).nonzero().view(-1).tolist() for i in _non_finite(tensors, runs[int(j)])]
     return min(bad) if bad else None
+
+
+def _non_finite(tensors: Sequence[torch.Tensor], members: list[int]) -> list[int]:
+    """The members of a run found non-finite that are (none: only the padding between them was)."""
+    if len(members) == 1:
+        return members
+    return [i for i in members if not bool(torch.isfinite(torch.stack(torch.aminmax(tensors[i]))).all())]
+
+
+_MAX_RUN_GAP_BYTES = 64  # a flattened bucket pads each tensor to 16 bytes
+
+
+def _runs(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """(indices, one tensor covering them) for every floating tensor with elements: contiguous tensors of one
+    dtype that follow each other in one storage (gaps of a few bytes, aligned to the dtype) share a run."""
+    runs: list[tuple[list[int], torch.Tensor]] = []
+    by_storage: dict[tuple, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        if not (tensor.numel() and tensor.is_floating_point()):
+            continue
+        if tensor.is_contiguous():
+            key = (tensor.device, tensor.dtype, tensor.untyped_storage().data_ptr())
+            by_storage.setdefault(key, []).append(i)
+        else:
+            runs.append(([i], tensor))
+    for members in by_storage.values():
+        members.sort(key=lambda i: tensors[i].data_ptr())
+        first = 0
+        for k in range(1, len(members) + 1):
+            if k < len(members) and _follows(tensors[members[k - 1]], tensors[members[k]]):
+                continue
+            run = members[first:k]
+            runs.append((run, _covering(tensors[run[0]], tensors[run[-1]])))
+            first = k
+    return runs
+
+
+def _follows(prev: torch.Tensor, cur: torch.Tensor) -> bool:
+    gap = cur.data_ptr() - (prev.data_ptr() + prev.numel() * prev.element_size())
+    return 0 <= gap <= _MAX_RUN_GAP_BYTES and gap % cur.element_size() == 0
+
+
+def _covering(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The 1-D view of `first`'s storage from `first`'s first element to `last`'s last one."""
+    if first is last:
+        return first
+    numel = (last.data_ptr() + last.numel() * last.element_size() - first.data_ptr()) // first.element_size()
+    return first.as_strided((numel,), (1,), first.storage_offset())
 
 
 def check_finite(copies: Sequence[PlannedCopy]) -> None:

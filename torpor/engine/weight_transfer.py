@@ -711,7 +711,7 @@ class WeightReceiver:
                 self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
         count = copy()
         with phase("sync"):
-            _synchronize(engine.model_runner.device)  # copies done before the trainer may reuse its memory
+            _synchronize_copies(engine)  # copies done before the trainer may reuse its memory
         if discarded:
             self.missing -= set(names)
             with phase("sentinel"):
@@ -767,6 +767,18 @@ def _ready_event(device: torch.device):
 def _model(engine):
     runner = engine.model_runner
     return runner.model if hasattr(runner, "model") else runner.local.model
+
+
+def _synchronize_copies(engine) -> None:
+    """An update's copies done. TP=1: they all ran on the engine's stream, so that stream only — the whole device
+    would also wait for the staging thread's stream (the next request's finite check). Under tensor
+    parallelism the device (rank 0's copies may also feed the engine group's collectives)."""
+    runner = engine.model_runner
+    stream = getattr(runner, "engine_stream", None)  # a ParallelRunner has none of its own
+    if engine.config.tensor_parallel_size == 1 and stream is not None and stream.stream is not None:
+        stream.stream.synchronize()
+    else:
+        _synchronize(runner.device)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -18,6 +18,7 @@ through `POST /init_weights_update_group`; each push broadcasts every tensor in 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import time
 import uuid
@@ -80,6 +81,9 @@ class PushReport:
     in_flight: int = 1
     handler_seconds: list[float] = field(default_factory=list)  # each request's, in order
     staged: int = 0  # requests the engine opened and checked off its engine thread (they found another in flight)
+    # This process's seconds per part, summed over the push: "bucket" (flattening), "sync" (each bucket complete
+    # on its device), "serialize" (pickle and base64), "wait" (for answers, with `in_flight` requests out).
+    trainer_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -182,15 +186,19 @@ class WeightPusher:
         report = PushReport(0.0, 0, 0, 0, in_flight=depth)
         position = Position(uuid.uuid4().hex)
         pending: deque[tuple[Future, list[Bucket]]] = deque()  # answers to come, with the buckets they read
+        timed = report.trainer_phases
         with ThreadPoolExecutor(depth, thread_name_prefix="torpor-push") as sender:
             try:
-                for group, last in self._requests(buckets):
-                    request = self._prepare(group, flush_cache=flush_cache and last)
-                    while len(pending) >= depth:
-                        self._finish(*pending.popleft(), report)
+                for group, last in self._requests(buckets, timed):
+                    with _timed(timed, "serialize"):
+                        request = self._prepare(group, flush_cache=flush_cache and last)
+                    with _timed(timed, "wait"):
+                        while len(pending) >= depth:
+                            self._finish(*pending.popleft(), report)
                     pending.append((self._send(sender, request, position.next()), group))
-                while pending:
-                    self._finish(*pending.popleft(), report)
+                with _timed(timed, "wait"):
+                    while pending:
+                        self._finish(*pending.popleft(), report)
             finally:
                 wait([answer for answer, _ in pending])  # after a failure: the engine may still read those
         report.seconds = time.perf_counter() - start
@@ -201,12 +209,18 @@ class WeightPusher:
             return _done_future(self._post(request, headers))
         return sender.submit(self._post, request, headers)
 
-    def _requests(self, buckets: Iterable[Bucket]) -> Iterator[tuple[list[Bucket], bool]]:
+    def _requests(self, buckets: Iterable[Bucket], timed: dict[str, float]) -> Iterator[tuple[list[Bucket], bool]]:
         """(buckets of one request, whether it is the last), each bucket complete on its device."""
         pending: list[Bucket] = []
-        for bucket in buckets:
+        buckets = iter(buckets)
+        while True:
+            with _timed(timed, "bucket"):
+                bucket = next(buckets, None)
+            if bucket is None:
+                break
             if bucket.flattened.is_cuda:
-                torch.cuda.current_stream(bucket.flattened.device).synchronize()
+                with _timed(timed, "sync"):
+                    torch.cuda.current_stream(bucket.flattened.device).synchronize()
             if len(pending) == self.buckets_per_request:
                 yield pending, False
                 pending = []
@@ -320,6 +334,15 @@ class DistributedPusher:
             destroy_group_handle(self.group)
             self.http.close()
 
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def _done_future(result) -> Future:
