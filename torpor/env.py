@@ -59,6 +59,9 @@ class Env:
     # TORPOR_OVERLAP_LOAD=0: the start-up loads the weights before sizing the KV cache and capturing the graphs
     # instead of beside them (engine/background_load.py); for A/B runs.
     overlap_load: bool = True
+    # Python's thread switch interval in µs while torpor's threads share the GIL (engine/switch_interval.py): the
+    # start-up's weight load beside the graph capture, and `torpor serve`. 0 keeps Python's (5 ms).
+    switch_interval_us: int = 200
 
     @classmethod
     def read(cls) -> Env:
@@ -75,4 +78,5 @@ class Env:
             kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
             decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
             overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("1", "0")) == "1",
+            switch_interval_us=_int("TORPOR_SWITCH_INTERVAL_US", 200),
         )

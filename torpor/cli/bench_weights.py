@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {model}: {len(tensors)} tensors, {nbytes / 2**30:.2f} GiB on {device}")
     results: dict = {"model": model, "device": device, "bytes": nbytes, "bucket_mb": args.bucket_mb}
     results["serve"] = bench_serve(model, device, tensors, args)
+    if device.startswith("cuda"):
+        results["serve"]["python_switch_interval"] = bench_python_switch_interval(model, device, tensors, args)
     if not args.skip_in_process:
         results["in_process"] = bench_in_process(model, device, tensors, args)
     if args.distributed:
@@ -94,6 +96,13 @@ def _depths(args: argparse.Namespace) -> list[int]:
     return depths
 
 
+def _headline_depth(depths: list[int]) -> int:
+    """The depth the headline figures and the RL step use: the pusher's default when measured, else the last."""
+    from torpor.rl.weight_sync import DEFAULT_IN_FLIGHT
+
+    return DEFAULT_IN_FLIGHT if DEFAULT_IN_FLIGHT in depths else depths[-1]
+
+
 def wait_for_host_reservation(engine, timeout: float = 600.0) -> float:
     """Seconds waited until the engine's background host-copy reservation ended (pinning ~16 GB for an 8B model
     takes seconds and may stall the driver calls a push makes: measured pushes must not overlap it)."""
@@ -118,7 +127,8 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         print(f"serve: waited {waited:.2f} s for the engine's host-copy reservation to end", flush=True)
         pushers = {d: WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args), in_flight=d)
                    for d in depths}
-        pusher = pushers[depths[-1]]
+        headline = _headline_depth(depths)
+        pusher = pushers[headline]
         before = _greedy(engine)
         for p in pushers.values():
             p.push(tensors)  # warm-up (first IPC opens, code paths)
@@ -144,8 +154,8 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         for p in (*pushers.values(), one_request):
             p.close()
     by_depth = {d: _push_figures(pushes[d]) for d in depths}
-    main = by_depth[depths[-1]]
-    result = {**main, "in_flight": depths[-1], "by_in_flight": by_depth, "host_reservation_wait_s": waited,
+    main = by_depth[headline]
+    result = {**main, "in_flight": headline, "by_in_flight": by_depth, "host_reservation_wait_s": waited,
               "rl_step": {k: _median([s[k] for s in steps]) for k in steps[0]},
               "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle,
               "push_one_request_s": _median(single)}
@@ -160,6 +170,24 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
     print(f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
     return result
+
+
+def bench_python_switch_interval(model: str, device: str, tensors, args) -> dict:
+    """The push at the pusher's default depth against a server left at Python's own thread switch interval
+    (TORPOR_SWITCH_INTERVAL_US=0, 5 ms) instead of torpor's (engine/switch_interval.py): the same pushes, another
+    server process, right after the main one."""
+    from torpor.rl import WeightPusher
+    from torpor.rl.engine_process import EngineProcess
+
+    with EngineProcess(model, _serve_args(device), env={"TORPOR_SWITCH_INTERVAL_US": "0"}) as engine:
+        wait_for_host_reservation(engine)
+        pusher = WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args))
+        pusher.push(tensors)  # warm-up
+        figures = _push_figures([pusher.push(tensors) for _ in range(args.repeat)])
+        pusher.close()
+    print(f"serve push, {figures['requests']} requests, {pusher.in_flight} in flight, Python's switch interval "
+          f"(5 ms): {figures['push_s']:.4f} s; per request: {format_phases(figures['push_phases_ms_per_request'])}")
+    return figures
 
 
 def _push_figures(reports) -> dict:

@@ -7,12 +7,13 @@ far; its output and the K/V it writes into the scratch block are thrown away). S
 
 What runs where:
 - the caller's thread: the plan (every header, name, shape and dtype checked before any byte is written, so a
-  bad checkpoint fails the start-up at once) and, in `finish`, the finite check and the debug line;
-- the load's thread: only the copies, on a stream of its own (CUDA). It allocates no device memory from Python
-  and frees none (the finite check's temporaries would): a thread holding the GIL while it waits for the
-  caching allocator's mutex could deadlock with a capture whose allocator callback needs the GIL
-  (docs/memory.md, "Threads"). Its driver calls (pinning the staging buffers, events) are why the graphs are
-  captured in the "thread_local" capture mode meanwhile: "global" would let another thread's call end a capture.
+  bad checkpoint fails the start-up at once), the staging buffers (pinned there at the first load) and, in
+  `finish`, the finite check and the debug line;
+- the load's thread: only the reads and copies, on a stream of its own (CUDA). It allocates no device memory
+  from Python and frees none (the finite check's temporaries would): a thread holding the GIL while it waits for
+  the caching allocator's mutex could deadlock with a capture whose allocator callback needs the GIL
+  (docs/memory.md, "Threads"). It still records and waits for events: the graphs are captured in the
+  "thread_local" capture mode meanwhile ("global" would let another thread's call end a capture).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class BackgroundLoad:
         self.path = path
         self._start = time.perf_counter()
         self._entries, self._copies = plan_checkpoint(model, path)
+        from torpor.engine.weight_staging import prepare_reads
+
+        self._reads = prepare_reads(self._entries, self._copies, staging)  # buffers pinned here, not beside a capture
         self._planned = time.perf_counter()
         self._staging, self._stream = staging, stream
         self._device = next(model.parameters()).device
@@ -48,15 +52,15 @@ class BackgroundLoad:
         self._thread.start()
 
     def _run(self) -> None:
-        from torpor.engine.weight_staging import copy_planned
+        from torpor.engine.weight_staging import copy_reads
 
         try:
             if self._stream is not None:
                 torch.cuda.set_device(self._device)  # a new thread starts on device 0
                 with torch.cuda.stream(self._stream):
-                    self._nbytes = copy_planned(self._entries, self._copies, self._staging)  # synchronizes it
+                    self._nbytes = copy_reads(self._reads, self._staging)  # synchronizes the stream
             else:
-                self._nbytes = copy_planned(self._entries, self._copies, self._staging)
+                self._nbytes = copy_reads(self._reads, self._staging)
         except BaseException as e:  # re-raised by finish, on the caller's thread
             self._error = e
         self._copied = time.perf_counter()

@@ -48,6 +48,7 @@ from torpor.engine.models.config import DTYPES
 from torpor.engine.phase_times import phase
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
+from torpor.engine.switch_interval import short_switch_interval
 from torpor.engine.weight_staging import StagingBuffers
 from torpor.env import Env
 from torpor.lazy import collector_paused
@@ -139,8 +140,9 @@ class ModelRunner:
             with timed_phase("weight_load_plan"):  # every header checked before any byte is written
                 load = BackgroundLoad(self.model, config.model, self.staging, load_stream.stream)
             try:
-                # The load's thread makes driver calls (pinning, events) while the graphs are captured.
-                self._size_and_allocate(config, capture_error_mode="thread_local")
+                # The load's thread waits for events while the graphs are captured; both threads run Python.
+                with short_switch_interval():
+                    self._size_and_allocate(config, capture_error_mode="thread_local")
             except BaseException:
                 load.abandon()
                 raise

@@ -117,16 +117,43 @@ class StagingBuffers:
         return sum(b.size for b in self.buffers)
 
 
-def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], staging: StagingBuffers) -> int:
-    """Write every planned copy from the checkpoint files; returns the bytes read."""
+@dataclass
+class StagedReads:
+    """A load's batches (file ranges, in file order) and the staging buffers they go through, taken (pinned on
+    first use) before any byte is read: `prepare_reads`, then `copy_reads`."""
+
+    entries: Sequence[TensorEntry]
+    batches: list[Batch]
+    buffers: list[HostBuffer]
+
+
+def prepare_reads(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy],
+                  staging: StagingBuffers) -> StagedReads:
+    """The planned copies as batches of file ranges, and the staging buffers for them (pinning new ones: a driver
+    call the start-up makes before a capture may run beside the copies, see background_load.py)."""
     by_name = {e.name: e for e in entries}
     pieces = [p for c in copies for p in _pieces(by_name[c.name], c, staging.buffer_bytes)]
     batches = _batches(pieces, staging.buffer_bytes)
     if not batches:
-        return 0
+        return StagedReads(entries, [], [])
     count = min(staging.count, len(batches))
     buffers = staging.take(count, max(staging.buffer_bytes if len(batches) > 1 else 0,
                                       max(b.nbytes for b in batches) + _ALIGN))
+    return StagedReads(entries, batches, buffers)
+
+
+def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], staging: StagingBuffers) -> int:
+    """Write every planned copy from the checkpoint files; returns the bytes read."""
+    return copy_reads(prepare_reads(entries, copies, staging), staging)
+
+
+def copy_reads(reads: StagedReads, staging: StagingBuffers) -> int:
+    """Read every batch of `reads` into its staging buffer and copy it on (the current stream on CUDA); returns
+    the bytes read. On CUDA the stream is synchronized before returning (also on error)."""
+    entries, batches, buffers = reads.entries, reads.batches, reads.buffers
+    if not batches:
+        return 0
+    count = len(buffers)
     views = [_as_bytes(b) for b in buffers]
     on_gpu = staging.device.type == "cuda"
     events: list[torch.cuda.Event | None] = [None] * count
