@@ -163,6 +163,27 @@ def test_a_sleep_takes_over_a_reservation_in_progress(mm):
     assert all(torch.equal(t, r) for t, r in zip(tensors, refs, strict=True))
 
 
+def test_a_manager_dropped_during_its_reservation_closes_on_the_dropping_thread(tmp_path, monkeypatch):
+    """The reservation's thread holds no reference to the manager: the owner's last reference closes it on the
+    owner's thread (on CUDA a close on the reservation's thread could deadlock with the owner's next allocator
+    call, which tests/gpu/test_engine.py hit), and the close stops the reservation first."""
+    import gc
+    import threading
+
+    closed_on = []
+    close = MemoryManager.close
+    monkeypatch.setattr(MemoryManager, "close", lambda self: (closed_on.append(threading.current_thread()),
+                                                              close(self))[1])
+    mm = MemoryManager("cpu", backup_dir=str(tmp_path))
+    with mm.tag("weights"):
+        tensors = [torch.randn(2 * MiB) for _ in range(16)]
+    reservation = mm.reserve_host_in_background(["weights"])
+    del mm, tensors
+    gc.collect()
+    assert closed_on == [threading.current_thread()]
+    assert reservation.done  # stopped by the close, after its segment in progress
+
+
 def test_background_reservation_reports_a_host_memory_error(tmp_path):
     mm = MemoryManager("cpu", backup_dir=str(tmp_path), max_host_bytes=MiB)
     with mm.tag("weights"):

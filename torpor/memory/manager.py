@@ -84,6 +84,8 @@ class MemoryManager:
     def close(self) -> None:
         """Let go of the tags' pools. Their memory returns to the device once their tensors are
         gone (CUDA: and `torch.cuda.empty_cache()` ran). Also done when the manager is collected."""
+        if getattr(self, "_reservation", None) is not None:
+            self._stop_reservation()  # it pins into the backend about to close
         backend = getattr(self, "_backend", None)
         if backend is not None and not self.is_context_checkpointed():  # no CUDA call while checkpointed
             with self._lock:
@@ -242,16 +244,6 @@ class MemoryManager:
     def _stop_reservation(self) -> None:
         if self._reservation is not None:
             self._reservation.stop()
-
-    def _reserve_one(self, names: list[str]) -> int | None:
-        """Reserve the host copy of the next segment of `names` that has none; None when none is left."""
-        if self.is_context_checkpointed():
-            return None
-        # Not under the manager's lock: every tag scope takes it, and pinning a segment takes ~0.2 s per GiB
-        # (a first request waited for whole segments: start-up +12% on an H200). The store locks what it reads
-        # and attaches; a sleep or checkpoint stops this thread (and waits for the segment in progress) first.
-        with self._on_device():
-            return self._backend.reserve_one(names)
 
     # ---- clean host copies ---------------------------------------------------------------
     def mark_clean(self, tag: str) -> int:
@@ -436,7 +428,12 @@ class HostReservation:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._stop = threading.Event()
-        self._manager = weakref.ref(manager)
+        # The backend and the device, not the manager: a strong reference to the manager here could be the last
+        # one, and the manager would then close on this thread — its pools' segments freed through the allocator
+        # callbacks while the owner's thread may be in the allocator (the GIL / allocator-mutex deadlock of
+        # docs/memory.md, "Threads"; hit in tests/gpu/test_engine.py). The manager's close stops this first.
+        self._backend = manager._backend
+        self._device = manager.device
         self._thread = threading.Thread(target=self._run, name="torpor-reserve-host", daemon=True)
         _RESERVATIONS.add(self)
         self._thread.start()
@@ -444,18 +441,14 @@ class HostReservation:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
-            manager = self._manager()
-            if manager is not None and manager.device.type == "cuda":
+            if self._device.type == "cuda":
                 # A new thread has no current CUDA context; pinning host memory is a driver call that needs one.
                 from torpor.memory.cuda_driver import make_primary_context_current
 
-                make_primary_context_current(manager.device.index)
-            del manager
+                make_primary_context_current(self._device.index)
             while not self._stop.is_set():
-                manager = self._manager()
                 with host_buffer.in_background():  # a few threads pin: the start-up beside keeps the cores
-                    made = manager._reserve_one(self.tags) if manager is not None else None
-                del manager
+                    made = self._reserve_one()
                 if made is None:
                     break
                 self.reserved_bytes += made
@@ -464,6 +457,19 @@ class HostReservation:
         self.seconds = time.perf_counter() - start
         if self._on_done is not None and not self._stop.is_set():
             self._on_done(self)
+
+    def _reserve_one(self) -> int | None:
+        """Reserve the host copy of the next segment of the tags that has none; None when none is left.
+        Not under the manager's lock: every tag scope takes it, and pinning a segment takes ~0.2 s per GiB (a
+        first request waited for whole segments: start-up +12% on an H200). The store locks what it reads and
+        attaches; a sleep, a checkpoint or the manager's close stops this thread (and waits for the segment in
+        progress) first."""
+        if self._device.type == "cuda":
+            if checkpoint.is_checkpointed():
+                return None
+            with torch.cuda.device(self._device):
+                return self._backend.reserve_one(self.tags)
+        return self._backend.reserve_one(self.tags)
 
     @property
     def done(self) -> bool:
