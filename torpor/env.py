@@ -56,12 +56,10 @@ class Env:
     # TORPOR_DECODE_PREFIXES=0: the GPU decode kernel reads every sequence's whole context itself instead of
     # reading each shared prompt prefix once per group of sequences (attention/triton_decode.py); for A/B runs.
     decode_prefixes: bool = True
-    # TORPOR_OVERLAP_LOAD=0: the start-up loads the weights before sizing the KV cache and capturing the graphs
-    # instead of beside them (engine/background_load.py); for A/B runs.
-    overlap_load: bool = True
-    # Python's thread switch interval in µs while torpor's threads share the GIL (engine/switch_interval.py): the
-    # start-up's weight load beside the graph capture, and `torpor serve`. 0 keeps Python's (5 ms).
-    switch_interval_us: int = 200
+    # TORPOR_OVERLAP_LOAD=1: the start-up loads the weights on a thread of their own beside the KV sizing and the
+    # graph capture (engine/background_load.py) instead of first. Off by default: with the page cache warm it did
+    # not pay on the H200 (docs/weights.md); meant for loads bound by the disk.
+    overlap_load: bool = False
 
     @classmethod
     def read(cls) -> Env:
@@ -77,6 +75,5 @@ class Env:
             debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
             kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
             decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
-            overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("1", "0")) == "1",
-            switch_interval_us=_int("TORPOR_SWITCH_INTERVAL_US", 200),
+            overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("0", "1")) == "1",
         )

@@ -25,14 +25,14 @@ def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
     sweep = loader["staging_sweep"]  # the staged reload with other buffer sets, to choose the default from
     assert [(row["buffers"], row["mib"]) for row in sweep.values()] == list(STAGING_SWEEP)  # the default first
     assert all(row["gbps"] > 0 and row["threads"] >= 1 for row in sweep.values())
-    phases = report["cold_start_phases"]["phases"]  # the weights loaded beside the KV sizing (the default)
-    assert {"imports", "model_build", "weight_load_plan", "kv_cache_sizing", "kv_cache_allocation",
-            "weight_load_wait", "engine_other", "first_token"} <= phases.keys()
-    assert "weight_load" not in phases and report["cold_start_phases"]["weight_load_beside_s"] > 0
-    sequential = report["cold_start_phases_sequential"]  # the old order, side by side
-    assert {"weight_load", "kv_cache_sizing"} <= sequential["phases"].keys()
-    assert sequential["weight_load_beside_s"] is None and "weight_load_wait" not in sequential["phases"]
+    phases = report["cold_start_phases"]["phases"]
+    assert {"imports", "model_build", "weight_load", "kv_cache_sizing", "kv_cache_allocation", "engine_other",
+            "first_token"} <= phases.keys()
+    assert report["cold_start_phases"]["weight_load_beside_s"] is None and "weight_load_wait" not in phases
+    overlapped = report["cold_start_phases_overlapped"]  # TORPOR_OVERLAP_LOAD=1, side by side
+    assert {"weight_load_plan", "kv_cache_sizing", "weight_load_wait"} <= overlapped["phases"].keys()
+    assert "weight_load" not in overlapped["phases"] and overlapped["weight_load_beside_s"] > 0
     assert "staged (torpor)" in result.stdout and "cold start in a new process" in result.stdout
-    assert "the weights loaded first (old order)" in result.stdout
-    assert {"imports", "weight_load_plan", "kv_cache_sizing"} <= report["cold_start_phases_profiling"]["phases"].keys()
+    assert "the weights loaded beside the KV sizing" in result.stdout
+    assert {"imports", "weight_load", "kv_cache_sizing"} <= report["cold_start_phases_profiling"]["phases"].keys()
     assert report["cold_start_phases"]["graph_capture"] == []  # per batch size on GPU; no graphs on CPU

@@ -92,17 +92,15 @@ BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited 
 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
-                      bytecode_cache: bool = True, overlap_load: bool = True,
-                      python_switch_interval: bool = False) -> dict:
+                      bytecode_cache: bool = True, overlap_load: bool = False) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
     (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token. The process starts as the
     `torpor` command does (lazy.use_bytecode_cache first) unless `bytecode_cache` is False. With `overlap_load`
-    (the default path) the weights load on a thread of their own beside the KV sizing and the graph capture: the
-    phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and `weight_load_beside_s`
-    the load's own seconds; without, the old order (`weight_load` first). `python_switch_interval`: the overlap
-    at Python's own 5 ms thread switch interval instead of torpor's shorter one (engine/switch_interval.py)."""
+    (TORPOR_OVERLAP_LOAD=1) the weights load on a thread of their own beside the KV sizing and the graph capture:
+    the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and `weight_load_beside_s`
+    the load's own seconds; without (the default), `weight_load` comes first."""
     import os
     import subprocess
 
@@ -117,8 +115,6 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     start = time.time()  # the child reports when its first token came: its exit is not start-up
     env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0",
                TORPOR_OVERLAP_LOAD="1" if overlap_load else "0")
-    if python_switch_interval:
-        env["TORPOR_SWITCH_INTERVAL_US"] = "0"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     if "READY" not in out.stdout:
         raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
@@ -530,12 +526,11 @@ def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
 
 def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
     """A restart profiling its KV-sizing step (the old path), then one reading back the step it measured, the same
-    loading the weights before the rest (the old order, not beside it), and without the bytecode cache (where
-    Python may not write bytecode, every start compiles)."""
+    loading the weights beside the KV sizing and the graph capture (TORPOR_OVERLAP_LOAD=1), and without the
+    bytecode cache (where Python may not write bytecode, every start compiles)."""
     results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False)
     results["cold_start_phases"] = cold_start_phases(model, args)
-    results["cold_start_phases_sequential"] = cold_start_phases(model, args, overlap_load=False)
-    results["cold_start_phases_python_interval"] = cold_start_phases(model, args, python_switch_interval=True)
+    results["cold_start_phases_overlapped"] = cold_start_phases(model, args, overlap_load=True)
     results["cold_start_phases_compiling"] = cold_start_phases(model, args, bytecode_cache=False)
 
 
@@ -559,9 +554,8 @@ def report_loader(r: dict) -> None:
         report_reloads(console, r)
     for key, label in (("cold_start_phases_profiling", "profiling its step"),
                        ("cold_start_phases", "the step's memory read back"),
-                       ("cold_start_phases_sequential", "read back, the weights loaded first (old order)"),
-                       ("cold_start_phases_python_interval", "read back, beside the load at Python's 5 ms switch "
-                                                             "interval"),
+                       ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
+                                                        "graph capture"),
                        ("cold_start_phases_compiling", "read back, no bytecode cache")):
         if key in r:
             c = r[key]

@@ -52,8 +52,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {model}: {len(tensors)} tensors, {nbytes / 2**30:.2f} GiB on {device}")
     results: dict = {"model": model, "device": device, "bytes": nbytes, "bucket_mb": args.bucket_mb}
     results["serve"] = bench_serve(model, device, tensors, args)
-    if device.startswith("cuda"):
-        results["serve"]["python_switch_interval"] = bench_python_switch_interval(model, device, tensors, args)
     if not args.skip_in_process:
         results["in_process"] = bench_in_process(model, device, tensors, args)
     if args.distributed:
@@ -170,24 +168,6 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
     print(f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
     return result
-
-
-def bench_python_switch_interval(model: str, device: str, tensors, args) -> dict:
-    """The push at the pusher's default depth against a server left at Python's own thread switch interval
-    (TORPOR_SWITCH_INTERVAL_US=0, 5 ms) instead of torpor's (engine/switch_interval.py): the same pushes, another
-    server process, right after the main one."""
-    from torpor.rl import WeightPusher
-    from torpor.rl.engine_process import EngineProcess
-
-    with EngineProcess(model, _serve_args(device), env={"TORPOR_SWITCH_INTERVAL_US": "0"}) as engine:
-        wait_for_host_reservation(engine)
-        pusher = WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args))
-        pusher.push(tensors)  # warm-up
-        figures = _push_figures([pusher.push(tensors) for _ in range(args.repeat)])
-        pusher.close()
-    print(f"serve push, {figures['requests']} requests, {pusher.in_flight} in flight, Python's switch interval "
-          f"(5 ms): {figures['push_s']:.4f} s; per request: {format_phases(figures['push_phases_ms_per_request'])}")
-    return figures
 
 
 def _push_figures(reports) -> dict:

@@ -252,7 +252,6 @@ def _default_name(given: str | None, folder: str) -> str:
 def _run_server(args: argparse.Namespace, llm, config, sock: socket.socket) -> int:
     import uvicorn
 
-    from torpor.engine.switch_interval import shorten_switch_interval
     from torpor.server import build_app
 
     name, admin_token, api_key = config.model_name, config.admin_token, config.api_key
@@ -264,8 +263,6 @@ def _run_server(args: argparse.Namespace, llm, config, sock: socket.socket) -> i
          f"{'on' if admin_token else 'off, no --admin-token'}; API key: {'required' if api_key else 'none'})")
     # SIGTERM then ends the server like Ctrl-C: a graceful shutdown, then exit code 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    # The engine thread, the event loop and the weight-staging thread share the GIL (engine/switch_interval.py).
-    shorten_switch_interval()
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

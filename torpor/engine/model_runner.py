@@ -6,8 +6,8 @@ buffer lands where sleep mode expects it:
 
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model (parameters and the RoPE table)
-    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters: on a thread of
-                 its own, beside the phases below until the graphs are captured (background_load.py)
+    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters (with
+                 TORPOR_OVERLAP_LOAD=1 on a thread of its own beside the phases below: background_load.py)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache
@@ -48,7 +48,6 @@ from torpor.engine.models.config import DTYPES
 from torpor.engine.phase_times import phase
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
-from torpor.engine.switch_interval import short_switch_interval
 from torpor.engine.weight_staging import StagingBuffers
 from torpor.env import Env
 from torpor.lazy import collector_paused
@@ -140,9 +139,8 @@ class ModelRunner:
             with timed_phase("weight_load_plan"):  # every header checked before any byte is written
                 load = BackgroundLoad(self.model, config.model, self.staging, load_stream.stream)
             try:
-                # The load's thread waits for events while the graphs are captured; both threads run Python.
-                with short_switch_interval():
-                    self._size_and_allocate(config, capture_error_mode="thread_local")
+                # The load's thread waits for events while the graphs are captured.
+                self._size_and_allocate(config, capture_error_mode="thread_local")
             except BaseException:
                 load.abandon()
                 raise
