@@ -92,7 +92,7 @@ BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited 
 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
-                      bytecode_cache: bool = True, overlap_load: bool = False) -> dict:
+                      bytecode_cache: bool = True, overlap_load: bool = False, cold_cache: bool = False) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
@@ -100,7 +100,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     `torpor` command does (lazy.use_bytecode_cache first) unless `bytecode_cache` is False. With `overlap_load`
     (TORPOR_OVERLAP_LOAD=1) the weights load on a thread of their own beside the KV sizing and the graph capture:
     the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and `weight_load_beside_s`
-    the load's own seconds; without (the default), `weight_load` comes first."""
+    the load's own seconds; without (the default), `weight_load` comes first. `cold_cache`: the checkpoint's pages
+    dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs)."""
     import os
     import subprocess
 
@@ -112,6 +113,10 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
             f"max_model_len={args.max_model_len}{options}); t1 = time.perf_counter(); "
             "print('ENGINE', t1 - t0, flush=True); llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); "
             "print('FIRST_TOKEN', time.perf_counter() - t1, flush=True); print('READY', time.time(), flush=True)")
+    if cold_cache:
+        from torpor.engine.loader import checkpoint_files
+
+        drop_page_cache(checkpoint_files(model))
     start = time.time()  # the child reports when its first token came: its exit is not start-up
     env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0",
                TORPOR_OVERLAP_LOAD="1" if overlap_load else "0")
@@ -526,11 +531,15 @@ def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
 
 def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
     """A restart profiling its KV-sizing step (the old path), then one reading back the step it measured, the same
-    loading the weights beside the KV sizing and the graph capture (TORPOR_OVERLAP_LOAD=1), and without the
-    bytecode cache (where Python may not write bytecode, every start compiles)."""
+    loading the weights beside the KV sizing and the graph capture (TORPOR_OVERLAP_LOAD=1), both again with the
+    checkpoint's page cache dropped first, and without the bytecode cache (where Python may not write bytecode,
+    every start compiles)."""
     results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False)
     results["cold_start_phases"] = cold_start_phases(model, args)
     results["cold_start_phases_overlapped"] = cold_start_phases(model, args, overlap_load=True)
+    results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, cold_cache=True)
+    results["cold_start_phases_cold_cache_overlapped"] = cold_start_phases(model, args, overlap_load=True,
+                                                                           cold_cache=True)
     results["cold_start_phases_compiling"] = cold_start_phases(model, args, bytecode_cache=False)
 
 
@@ -556,6 +565,9 @@ def report_loader(r: dict) -> None:
                        ("cold_start_phases", "the step's memory read back"),
                        ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
                                                         "graph capture"),
+                       ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
+                       ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
+                                                                   "weights loaded beside"),
                        ("cold_start_phases_compiling", "read back, no bytecode cache")):
         if key in r:
             c = r[key]
