@@ -60,6 +60,9 @@ class Env:
     # graph capture (engine/background_load.py) instead of first. Off by default: with the page cache warm it did
     # not pay on the H200 (docs/weights.md); meant for loads bound by the disk.
     overlap_load: bool = False
+    # TORPOR_LOAD_THREADS: the staged loader's reader threads (0: one per core this process may use, at most one per
+    # staging buffer; beside the start-up, half of those, leaving cores to the graph capture).
+    load_threads: int = 0
 
     @classmethod
     def read(cls) -> Env:
@@ -76,4 +79,5 @@ class Env:
             kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
             decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
             overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("0", "1")) == "1",
+            load_threads=_int("TORPOR_LOAD_THREADS", 0),
         )

@@ -126,3 +126,29 @@ def test_an_engine_started_beside_its_load_answers_as_one_loading_first(tiny_mod
             llm.close()
         assert not load_threads()
     assert answers["1"] == answers["0"]
+
+
+def test_reader_threads_follow_the_cores_this_process_may_use(sharded, monkeypatch):
+    """The loader counts the cores of its affinity (a container's CPU set), not the host's; beside the start-up it
+    reads with half of them; TORPOR_LOAD_THREADS sets both."""
+    import os
+    import subprocess
+    import sys
+
+    from torpor.engine.weight_staging import usable_cpus
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from torpor.engine.weight_staging import StagingBuffers, usable_cpus; "
+            "print(usable_cpus(), StagingBuffers('cpu', count=8).threads)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TORPOR_LOAD_THREADS": ""}).stdout.split()
+    assert out == ["1", "1"]
+    staging = StagingBuffers("cpu", count=8)
+    load = BackgroundLoad(new_model(sharded), sharded, staging, None)
+    load.finish()
+    assert staging.threads == min(8, usable_cpus()) and load.threads == max(1, staging.threads // 2)
+    monkeypatch.setenv("TORPOR_LOAD_THREADS", "3")
+    staging = StagingBuffers("cpu", count=8)
+    load = BackgroundLoad(new_model(sharded), sharded, staging, None)
+    load.finish()
+    assert staging.threads == 3 and load.threads == 3

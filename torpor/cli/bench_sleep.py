@@ -88,11 +88,12 @@ def build(model: str, args: argparse.Namespace, **options):
 
 PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
 CAPTURE_LINE = re.compile(r"cuda graph batch size (\d+): warm-up ([0-9.]+) s, capture ([0-9.]+) s")
-BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited for ([0-9.]+) s")
+BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited for ([0-9.]+) s \((\d+) reader")
 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
-                      bytecode_cache: bool = True, overlap_load: bool = False, cold_cache: bool = False) -> dict:
+                      bytecode_cache: bool = True, overlap_load: bool = False, cold_cache: bool = False,
+                      load_threads: int = 0) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
@@ -101,7 +102,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     (TORPOR_OVERLAP_LOAD=1) the weights load on a thread of their own beside the KV sizing and the graph capture:
     the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and `weight_load_beside_s`
     the load's own seconds; without (the default), `weight_load` comes first. `cold_cache`: the checkpoint's pages
-    dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs)."""
+    dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs). `load_threads`:
+    TORPOR_LOAD_THREADS (0: the loader's own choice)."""
     import os
     import subprocess
 
@@ -119,7 +121,7 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
         drop_page_cache(checkpoint_files(model))
     start = time.time()  # the child reports when its first token came: its exit is not start-up
     env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0",
-               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0")
+               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0", TORPOR_LOAD_THREADS=str(load_threads))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     if "READY" not in out.stdout:
         raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
@@ -140,7 +142,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     beside = BESIDE_LINE.findall(out.stderr)
     return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr,
                 graph_capture=graphs, bytecode_cache=cache[0] if cache and cache[0] != "None" else None,
-                weight_load_beside_s=float(beside[-1][0]) if beside else None)
+                weight_load_beside_s=float(beside[-1][0]) if beside else None,
+                load_threads_beside=int(beside[-1][2]) if beside else None)
 
 
 def drop_page_cache(files) -> None:
@@ -537,6 +540,10 @@ def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
     results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False)
     results["cold_start_phases"] = cold_start_phases(model, args)
     results["cold_start_phases_overlapped"] = cold_start_phases(model, args, overlap_load=True)
+    from torpor.engine.weight_staging import usable_cpus
+
+    results["cold_start_phases_overlapped_all_cores"] = cold_start_phases(model, args, overlap_load=True,
+                                                                          load_threads=usable_cpus())
     results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, cold_cache=True)
     results["cold_start_phases_cold_cache_overlapped"] = cold_start_phases(model, args, overlap_load=True,
                                                                            cold_cache=True)
@@ -565,6 +572,7 @@ def report_loader(r: dict) -> None:
                        ("cold_start_phases", "the step's memory read back"),
                        ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
                                                         "graph capture"),
+                       ("cold_start_phases_overlapped_all_cores", "read back, beside, a reader thread per core"),
                        ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
                        ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
                                                                    "weights loaded beside"),
@@ -582,7 +590,7 @@ def report_loader(r: dict) -> None:
                 console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
             if c.get("weight_load_beside_s") is not None:
                 console.print(f"  the weight load on its own thread, beside the KV sizing and graph capture: "
-                              f"{c['weight_load_beside_s']:.2f} s")
+                              f"{c['weight_load_beside_s']:.2f} s ({c['load_threads_beside']} reader threads)")
 
 
 def report_reloads(console, r: dict) -> None:

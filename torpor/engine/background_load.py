@@ -9,7 +9,8 @@ What runs where:
 - the caller's thread: the plan (every header, name, shape and dtype checked before any byte is written, so a
   bad checkpoint fails the start-up at once), the staging buffers (pinned there at the first load) and, in
   `finish`, the finite check and the debug line;
-- the load's thread: only the reads and copies, on a stream of its own (CUDA). It allocates no device memory
+- the load's thread: only the reads and copies, on a stream of its own (CUDA), with half the reader threads of a
+  plain load (`beside_threads`). It allocates no device memory
   from Python and frees none (the finite check's temporaries would): a thread holding the GIL while it waits for
   the caching allocator's mutex could deadlock with a capture whose allocator callback needs the GIL
   (docs/memory.md, "Threads"). It still records and waits for events: the graphs are captured in the
@@ -27,8 +28,17 @@ import torch
 from torch import nn
 
 from torpor.engine.loader import CheckpointError, check_finite, plan_checkpoint
+from torpor.env import Env
 
 logger = logging.getLogger("torpor.engine")
+
+
+def beside_threads(staging) -> int:
+    """Reader threads of a load beside the start-up: TORPOR_LOAD_THREADS, else half the staging's (they copy
+    from the page cache at the cores' speed and would take the cores the graph capture's Python needs)."""
+    from torpor.engine.weight_staging import usable_cpus
+
+    return Env.read().load_threads or max(1, min(staging.threads, usable_cpus()) // 2)
 
 
 class BackgroundLoad:
@@ -42,6 +52,7 @@ class BackgroundLoad:
         from torpor.engine.weight_staging import prepare_reads
 
         self._reads = prepare_reads(self._entries, self._copies, staging)  # buffers pinned here, not beside a capture
+        self.threads = beside_threads(staging)
         self._planned = time.perf_counter()
         self._staging, self._stream = staging, stream
         self._device = next(model.parameters()).device
@@ -58,9 +69,9 @@ class BackgroundLoad:
             if self._stream is not None:
                 torch.cuda.set_device(self._device)  # a new thread starts on device 0
                 with torch.cuda.stream(self._stream):
-                    self._nbytes = copy_reads(self._reads, self._staging)  # synchronizes the stream
+                    self._nbytes = copy_reads(self._reads, self._staging, self.threads)  # synchronizes the stream
             else:
-                self._nbytes = copy_reads(self._reads, self._staging)
+                self._nbytes = copy_reads(self._reads, self._staging, self.threads)
         except BaseException as e:  # re-raised by finish, on the caller's thread
             self._error = e
         self._copied = time.perf_counter()
@@ -81,8 +92,8 @@ class BackgroundLoad:
         logger.debug("loaded %.3f GB from %s beside the start-up: plan %.3f s, copy %.3f s (%.1f GB/s), finite "
                      "check %.3f s", self._nbytes / 1e9, self.path, self._planned - self._start, seconds,
                      self._nbytes / 1e9 / max(seconds, 1e-9), time.perf_counter() - joined)
-        logger.debug("weight load beside the start-up: %.3f s, waited for %.3f s", self._copied - self._start,
-                     joined - waited)
+        logger.debug("weight load beside the start-up: %.3f s, waited for %.3f s (%d reader threads)",
+                     self._copied - self._start, joined - waited, self.threads)
 
     def abandon(self) -> None:
         """The start-up failed meanwhile: wait for the copies (they write into the parameters), drop any error."""

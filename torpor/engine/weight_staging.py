@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 
 from torpor.engine.loader import CheckpointError, PlannedCopy, TensorEntry
+from torpor.env import Env
 from torpor.memory.cuda_driver import CudaDriverError
 from torpor.memory.host_buffer import HostBuffer
 
 logger = logging.getLogger("torpor.engine")
 
-# CUDA: 32 x 32 MiB pinned (1 GiB), kept (pinning costs ~50 ms per GiB); reader threads: min(32, cores). The best
+# CUDA: 32 x 32 MiB pinned (1 GiB), kept (pinning costs ~50 ms per GiB); reader threads: min(32, usable cores). The best
 # of the H200 sweep (bench sleep's STAGING_SWEEP, qwen3-8b, page cache warm, docs/weights.md): 30.1 GB/s with 16
 # threads, 8 x 128 MiB (8 threads) 23-25.5 GB/s.
 BUFFER_BYTES = 32 << 20
@@ -71,6 +72,14 @@ class Batch:
         return self.end - self.start
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: a container's CPU set), not the host's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 class StagingBuffers:
     """Reused host buffers for loading: registered pinned memory for a CUDA device (the memory layer's
     `HostBuffer`), plain anonymous memory on CPU. Grown on demand, freed by `close`."""
@@ -84,7 +93,7 @@ class StagingBuffers:
         self.keep = on_gpu if keep is None else keep
         self.buffer_bytes = buffer_bytes or (BUFFER_BYTES if on_gpu else CPU_BUFFER_BYTES)
         self.count = count or (BUFFER_COUNT if on_gpu else CPU_BUFFER_COUNT)
-        self.threads = threads or max(1, min(self.count, os.cpu_count() or 1))
+        self.threads = threads or Env.read().load_threads or max(1, min(self.count, usable_cpus()))
         self.kind = "pinned" if self.device.type == "cuda" else "pageable"
         self.buffers: list[HostBuffer] = []
 
@@ -147,9 +156,10 @@ def copy_planned(entries: Sequence[TensorEntry], copies: Sequence[PlannedCopy], 
     return copy_reads(prepare_reads(entries, copies, staging), staging)
 
 
-def copy_reads(reads: StagedReads, staging: StagingBuffers) -> int:
+def copy_reads(reads: StagedReads, staging: StagingBuffers, threads: int | None = None) -> int:
     """Read every batch of `reads` into its staging buffer and copy it on (the current stream on CUDA); returns
-    the bytes read. On CUDA the stream is synchronized before returning (also on error)."""
+    the bytes read. `threads`: reader threads (default `staging.threads`). On CUDA the stream is synchronized
+    before returning (also on error)."""
     entries, batches, buffers = reads.entries, reads.batches, reads.buffers
     if not batches:
         return 0
@@ -167,7 +177,7 @@ def copy_reads(reads: StagedReads, staging: StagingBuffers) -> int:
         batch = batches[i]
         _read_exactly(fds[batch.file], views[slot], batch.start % _ALIGN, batch, labels[batch.file])
 
-    pool = ThreadPoolExecutor(min(staging.threads, count), thread_name_prefix="torpor-load")
+    pool = ThreadPoolExecutor(min(threads or staging.threads, count), thread_name_prefix="torpor-load")
     futures = {}
     try:
         futures.update({i: pool.submit(read, i) for i in range(count)})
