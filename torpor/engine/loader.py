@@ -386,11 +386,12 @@ def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
         extremes.extend(torch.aminmax(covering))
     bad = []
     for by_dtype in groups.values():
-        runs = [members for run_list, _ in by_dtype.values() for members in run_list]
-        finite = torch.cat([torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1)  # [runs of the dtype]
-                            for _, extremes in by_dtype.values()])
-        if not bool(finite.all()):
-            bad += [i for j in (~finite).nonzero().view(-1).tolist() for i in _non_finite(tensors, runs[int(j)])]
+        finite = [torch.isfinite(torch.stack(extremes)) for _, extremes in by_dtype.values()]  # [2 x runs] per dtype
+        flags = finite[0] if len(finite) == 1 else torch.cat(finite)  # (min, max) of every run, dtype by dtype
+        if not bool(flags.all()):  # the one synchronization of the device (all finite: the common case)
+            runs = [members for run_list, _ in by_dtype.values() for members in run_list]
+            per_run = flags.view(-1, 2).all(dim=1)
+            bad += [i for j in (~per_run).nonzero().view(-1).tolist() for i in _non_finite(tensors, runs[int(j)])]
     return min(bad) if bad else None
 
 

@@ -451,22 +451,43 @@ def _unflatten(bucket, before: int) -> list[tuple[str, torch.Tensor]]:
         raise ValueError("metadata must be a list of (name, shape, dtype, start, end)")
     _check_count(before + len(metadata))
     pairs = []
+    size, offset, numel_flat = flat.element_size(), flat.storage_offset(), flat.numel()
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the bucket's storage viewed as each dtype once
     for i, entry in enumerate(metadata):
         name, shape, dtype, start, end = _metadata_entry(entry, i)
-        if not 0 <= start <= end <= flat.numel():
-            raise ValueError(f"metadata of {name!r}: [{start}, {end}) is outside the bucket of {flat.numel()} elements")
-        if (flat.storage_offset() + start) * flat.element_size() % dtype.itemsize:
+        if not 0 <= start <= end <= numel_flat:
+            raise ValueError(f"metadata of {name!r}: [{start}, {end}) is outside the bucket of {numel_flat} elements")
+        first_byte = (offset + start) * size  # from the storage's start
+        if first_byte % dtype.itemsize:
             raise ValueError(f"metadata of {name!r}: element {start} of the {flat.dtype} bucket is not aligned to "
                              f"{dtype} ({dtype.itemsize} bytes)")
-        nbytes = (end - start) * flat.element_size()
+        nbytes = (end - start) * size
         numel = 1
         for d in shape:
             numel *= d
         if nbytes != numel * dtype.itemsize:
             raise ValueError(f"metadata of {name!r}: {end - start} elements of {flat.dtype} hold {nbytes} bytes, "
                              f"shape {list(shape)} of {dtype} needs {numel * dtype.itemsize}")
-        pairs.append((name, flat[start:end].view(dtype).view(shape)))
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = _storage_as(flat, dtype)
+        # One view op per tensor (slice + view + view was three): the bytes checked above lie inside the bucket.
+        pairs.append((name, base.as_strided(shape, _contiguous_strides(shape), first_byte // dtype.itemsize)))
     return pairs
+
+
+def _storage_as(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D view of `dtype` elements over the whole storage of `flat`, from its first byte."""
+    return torch.empty(0, dtype=dtype, device=flat.device).set_(
+        flat.untyped_storage(), 0, (flat.untyped_storage().nbytes() // dtype.itemsize,))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _metadata_entry(entry, index: int) -> tuple[str, tuple[int, ...], torch.dtype, int, int]:
