@@ -152,3 +152,35 @@ def test_reader_threads_follow_the_cores_this_process_may_use(sharded, monkeypat
     load = BackgroundLoad(new_model(sharded), sharded, staging, None)
     load.finish()
     assert staging.threads == 3 and load.threads == 3
+
+
+def test_staging_buffers_allocated_ahead_are_the_ones_the_load_takes(sharded):
+    """`prefetch` allocates the kept buffers on a thread while the start-up goes on; the first load waits for
+    them and reads through exactly those (same addresses), bit for bit like the plain loader."""
+    from torpor.engine.loader import checkpoint_bytes, load_weights
+
+    staging = StagingBuffers("cpu", buffer_bytes=4096, count=3, keep=True)
+    staging.prefetch(checkpoint_bytes(sharded))
+    model = new_model(sharded)
+    staging._wait_prefetch()  # what the first load's take does first
+    ahead = [b.ptr for b in staging.buffers]
+    assert len(ahead) == 3 and all(b.size >= 4096 for b in staging.buffers)
+    load_weights(model, sharded, staging)
+    assert [b.ptr for b in staging.buffers] == ahead
+    load_weights(model, sharded, staging)  # a reload keeps them
+    assert [b.ptr for b in staging.buffers] == ahead
+    reference = new_model(sharded)
+    load_weights_reference(reference, sharded)
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values(),
+                                                 strict=True))
+    staging.close()
+    assert staging.buffers == [] and not [t for t in threading.enumerate() if t.name == "torpor-staging-prefetch"]
+
+
+def test_no_prefetch_for_buffers_given_back_or_an_unreadable_checkpoint(tmp_path):
+    from torpor.engine.loader import checkpoint_bytes
+
+    assert checkpoint_bytes(tmp_path / "nothing-here") == 0  # the load itself says what is wrong
+    given_back = StagingBuffers("cpu")  # CPU buffers are plain memory, given back after each load
+    given_back.prefetch(1 << 20)
+    assert given_back.buffers == [] and given_back._prefetch is None

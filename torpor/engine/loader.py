@@ -82,6 +82,14 @@ class PlannedCopy:
 
 
 # ---- files and headers ----------------------------------------------------------------------------
+def checkpoint_bytes(path: str | Path) -> int:
+    """The bytes of a checkpoint's files (0 when it has none it can name: the load reports why)."""
+    try:
+        return sum(f.stat().st_size for f in checkpoint_files(path))
+    except (OSError, ValueError):
+        return 0
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint folder: the shards listed by the index, or the single file.
     Shard names must stay inside the folder (no absolute names, no `..`); a file in the folder may be a

@@ -42,7 +42,7 @@ from torpor.engine.kv_cache import (
     gpu_num_kv_blocks,
     kv_block_bytes,
 )
-from torpor.engine.loader import CheckpointError, check_update, load_named_tensors, load_weights
+from torpor.engine.loader import CheckpointError, check_update, checkpoint_bytes, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.config import DTYPES
 from torpor.engine.phase_times import phase
@@ -93,8 +93,10 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.engine_stream = EngineStream(self.device)
-        # Host buffers of the staged loader, reused by every reload (pinned on CUDA; see weight_staging.py).
+        # Host buffers of the staged loader, reused by every reload (pinned on CUDA; see weight_staging.py),
+        # pinned while the memory manager's tags and the model are built.
         self.staging = StagingBuffers(self.device)
+        self.staging.prefetch(checkpoint_bytes(config.model))
         self.weights_valid = True  # False after a load or update failed midway (a mix): refuse to serve
         # The stream and its GEMM workspace are given up when the runner goes (see EngineStream.close).
         self._finalizer = weakref.finalize(self, self.engine_stream.close)
