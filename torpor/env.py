@@ -63,6 +63,9 @@ class Env:
     # TORPOR_LOAD_THREADS: the staged loader's reader threads (0: one per core this process may use, at most one per
     # staging buffer; beside the start-up, half of those, leaving cores to the graph capture).
     load_threads: int = 0
+    # TORPOR_CAPTURE_WARMUPS=first: only the largest CUDA-graph batch size gets an eager warm-up step before its
+    # capture ("every", the default, warms every size up; engine/cuda_graphs.py). An experiment for the cold start.
+    capture_warmups: str = "every"
 
     @classmethod
     def read(cls) -> Env:
@@ -80,4 +83,5 @@ class Env:
             decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
             overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("0", "1")) == "1",
             load_threads=_int("TORPOR_LOAD_THREADS", 0),
+            capture_warmups=_choice("TORPOR_CAPTURE_WARMUPS", ("every", "first")),
         )

@@ -93,7 +93,7 @@ BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
                       bytecode_cache: bool = True, overlap_load: bool = False, cold_cache: bool = False,
-                      load_threads: int = 0) -> dict:
+                      load_threads: int = 0, capture_warmups: str = "every") -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
@@ -103,7 +103,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and `weight_load_beside_s`
     the load's own seconds; without (the default), `weight_load` comes first. `cold_cache`: the checkpoint's pages
     dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs). `load_threads`:
-    TORPOR_LOAD_THREADS (0: the loader's own choice)."""
+    TORPOR_LOAD_THREADS (0: the loader's own choice). `capture_warmups`: TORPOR_CAPTURE_WARMUPS ("first": only the
+    largest graph size warmed up before its capture)."""
     import os
     import subprocess
 
@@ -121,7 +122,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
         drop_page_cache(checkpoint_files(model))
     start = time.time()  # the child reports when its first token came: its exit is not start-up
     env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0",
-               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0", TORPOR_LOAD_THREADS=str(load_threads))
+               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0", TORPOR_LOAD_THREADS=str(load_threads),
+               TORPOR_CAPTURE_WARMUPS=capture_warmups)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     if "READY" not in out.stdout:
         raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
@@ -544,6 +546,10 @@ def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
 
     results["cold_start_phases_overlapped_all_cores"] = cold_start_phases(model, args, overlap_load=True,
                                                                           load_threads=usable_cpus())
+    try:  # an experiment: the smaller sizes' first uses inside their captures may not be allowed by CUDA
+        results["cold_start_phases_one_warmup"] = cold_start_phases(model, args, capture_warmups="first")
+    except RuntimeError as e:
+        results["cold_start_phases_one_warmup"] = {"failed": str(e)[-600:]}
     results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, cold_cache=True)
     results["cold_start_phases_cold_cache_overlapped"] = cold_start_phases(model, args, overlap_load=True,
                                                                            cold_cache=True)
@@ -573,11 +579,14 @@ def report_loader(r: dict) -> None:
                        ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
                                                         "graph capture"),
                        ("cold_start_phases_overlapped_all_cores", "read back, beside, a reader thread per core"),
+                       ("cold_start_phases_one_warmup", "read back, only the largest graph size warmed up"),
                        ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
                        ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
                                                                    "weights loaded beside"),
                        ("cold_start_phases_compiling", "read back, no bytecode cache")):
-        if key in r:
+        if key in r and "failed" in r[key]:
+            console.print(f"cold start in a new process, {label}: failed: {r[key]['failed']}")
+        elif key in r:
             c = r[key]
             phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
             read_back = "read back" if c.get("kv_profile_read_back") else "measured"

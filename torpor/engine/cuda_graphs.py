@@ -27,15 +27,21 @@ class CudaGraphRunner:
     the pool memory of the larger ones. The pool is the `cuda_graph` tag of `memory` when given (it then
     sleeps and wakes with the tag), else a private pool. Call on a side stream (the engine's). Replay reads
     whatever `buffers.load` copied in. `capture_error_mode`: CUDA's ("global", "thread_local", "relaxed"):
-    "thread_local" while another thread of the process makes CUDA calls (the start-up's weight load)."""
+    "thread_local" while another thread of the process makes CUDA calls (the start-up's weight load).
+    `warmups`: "every" size gets an eager warm-up step before its capture (Triton's specializations loaded, the
+    GEMM plans of its row count made outside the capture), or only the "first" (largest; TORPOR_CAPTURE_WARMUPS:
+    the other sizes' first uses then happen inside their captures — an experiment the cold-start bench times)."""
 
     def __init__(self, model: nn.Module, buffers: DecodeBuffers, batch_sizes: tuple[int, ...],
-                 max_model_len: int, memory=None, capture_error_mode: str = "global") -> None:
+                 max_model_len: int, memory=None, capture_error_mode: str = "global", warmups: str = "every") -> None:
+        if warmups not in ("every", "first"):
+            raise ValueError(f"warmups must be 'every' or 'first', got {warmups!r}")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None if memory is not None else torch.cuda.graph_pool_handle()
         for batch_size in sorted(batch_sizes, reverse=True):
             start = time.perf_counter()
-            run_decode(model, buffers, batch_size, max_model_len)  # warm-up: Triton compiles, GEMM plans made
+            if warmups == "every" or not self.graphs:
+                run_decode(model, buffers, batch_size, max_model_len)  # warm-up: Triton compiles, GEMM plans made
             graph = torch.cuda.CUDAGraph()
             scope = memory.graph_pool("cuda_graph") if memory is not None else contextlib.nullcontext(pool)
             with scope as graph_pool:

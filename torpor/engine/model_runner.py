@@ -223,7 +223,8 @@ class ModelRunner:
             if not config.enforce_eager:
                 with torch.inference_mode(), timed_phase("cuda_graph_capture"):
                     self.graphs = CudaGraphRunner(self.model, self.buffers, config.cuda_graph_batch_sizes,
-                                                  config.max_model_len, self.memory, capture_error_mode)
+                                                  config.max_model_len, self.memory, capture_error_mode,
+                                                  Env.read().capture_warmups)
 
     # ---- weights -----------------------------------------------------------------------------
     def reload_weights(self, path: str) -> None:
