@@ -184,6 +184,39 @@ def test_a_manager_dropped_during_its_reservation_closes_on_the_dropping_thread(
     assert reservation.done  # stopped by the close, after its segment in progress
 
 
+def test_a_manager_collected_on_a_torpor_thread_is_closed_on_the_next_thread_that_makes_or_closes_one(tmp_path,
+                                                                                                      monkeypatch):
+    """The cyclic collector runs wherever Python allocates, torpor's background threads included: a manager it
+    finalizes there is kept and closed later by the next manager made or closed (on CUDA a close on that thread
+    could deadlock with the owner's allocator calls)."""
+    import gc
+    import threading
+
+    from torpor.memory import close_deferred
+
+    closed_on = []
+    close = MemoryManager.close
+    monkeypatch.setattr(MemoryManager, "close", lambda self: (closed_on.append(threading.current_thread().name),
+                                                              close(self))[1])
+    mm = MemoryManager("cpu", backup_dir=str(tmp_path))
+    with mm.tag("weights"):
+        torch.randn(1024)
+    mm.cycle = mm  # only the collector frees it
+    del mm
+    gc.disable()  # the collection below must be the one that finds it
+    try:
+        collector = threading.Thread(target=gc.collect, name="torpor-test-collector")
+        collector.start()
+        collector.join()
+    finally:
+        gc.enable()
+    assert closed_on == []  # deferred, not closed on the torpor thread
+    other = MemoryManager("cpu", backup_dir=str(tmp_path))  # making one closes it, here
+    assert closed_on == [threading.current_thread().name]
+    assert close_deferred() == 0
+    other.close()
+
+
 def test_background_reservation_reports_a_host_memory_error(tmp_path):
     mm = MemoryManager("cpu", backup_dir=str(tmp_path), max_host_bytes=MiB)
     with mm.tag("weights"):

@@ -16,7 +16,7 @@ from torpor.memory.checkpoint import (
     CheckpointUnsupportedError,
     ContextCheckpointedError,
 )
-from torpor.memory.manager import HostReservation, MemoryManager
+from torpor.memory.manager import HostReservation, MemoryManager, close_deferred
 from torpor.memory.system import create_stream, device_used_bytes, process_rss_bytes
 from torpor.memory.types import (
     Action,
@@ -52,6 +52,7 @@ __all__ = [
     "TagUsage",
     "TorporMemoryError",
     "WakeError",
+    "close_deferred",
     "create_stream",
     "device_used_bytes",
     "process_rss_bytes",

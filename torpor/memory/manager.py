@@ -49,6 +49,7 @@ class MemoryManager:
         device = torch.device(device)
         if host_backup not in HOST_BACKUPS:
             raise ValueError(f"host_backup must be one of {HOST_BACKUPS}, got {host_backup!r}")
+        close_deferred()  # managers collected on a torpor thread since (see __del__)
         self._lock = threading.RLock()  # serializes sleep, wake and tag-state changes
         self._scope_guard: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._local = threading.local()  # per thread: stack of active tag names
@@ -84,6 +85,7 @@ class MemoryManager:
     def close(self) -> None:
         """Let go of the tags' pools. Their memory returns to the device once their tensors are
         gone (CUDA: and `torch.cuda.empty_cache()` ran). Also done when the manager is collected."""
+        close_deferred()  # (a nested call finds the list empty)
         if getattr(self, "_reservation", None) is not None:
             self._stop_reservation()  # it pins into the backend about to close
         backend = getattr(self, "_backend", None)
@@ -92,6 +94,13 @@ class MemoryManager:
                 backend.close()
 
     def __del__(self) -> None:
+        if threading.current_thread().name.startswith("torpor-"):
+            # Collected on one of torpor's background threads (the cyclic collector runs wherever Python allocates):
+            # freeing the pools there could deadlock with the owner's allocator calls (docs/memory.md, "Threads").
+            # Kept alive until the next manager is made or closed, which closes it on that thread.
+            with _DEFERRED_LOCK:
+                _DEFERRED.append(self)
+            return
         self.close()
 
     def __repr__(self) -> str:
@@ -485,6 +494,21 @@ class HostReservation:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+
+_DEFERRED: list[MemoryManager] = []  # collected on a torpor thread, to close on another (MemoryManager.__del__)
+_DEFERRED_LOCK = threading.Lock()
+
+
+def close_deferred() -> int:
+    """Close the managers collected on torpor's background threads since the last call (on this thread); the
+    count. Making or closing any manager calls it; call it yourself after dropping engines without `close()`."""
+    with _DEFERRED_LOCK:
+        managers = _DEFERRED[:]
+        _DEFERRED.clear()
+    for manager in managers:
+        manager.close()
+    return len(managers)
 
 
 _RESERVATIONS: weakref.WeakSet[HostReservation] = weakref.WeakSet()
