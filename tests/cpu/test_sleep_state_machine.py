@@ -256,19 +256,32 @@ def test_a_generate_waiting_while_not_serving_returns_when_a_sleep_aborts_its_re
     woken by sleep(mode='abort'): its request was aborted and answerable, yet it waited for a wake and a
     reload (forever if none came)."""
     llm.wait_if_asleep = None
-    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     box: list = []
-    worker = threading.Thread(target=lambda: box.append(llm.generate([[1, 2, 3]], long)), daemon=True)
+
+    def stream():
+        yield weight_sets[0][0]
+        raise OSError("the trainer went away")
+
+    worker = None
     try:
-        worker.start()
-        wait_for(lambda: llm.engine.state().num_running == 1)
-
-        def stream():
-            yield weight_sets[0][0]
-            raise OSError("the trainer went away")
-
-        with pytest.raises(CheckpointError, match="the trainer went away"):
-            llm.update_weights(stream())
+        # The failed update must come while the request runs. The generate re-takes the LLM's lock right after
+        # each step (Python's locks are not fair), so the lock may only come free once the request finished: then
+        # start over (the lock is held from the check to the update, so no step comes between them).
+        for _ in range(5):
+            box.clear()
+            worker = threading.Thread(target=lambda: box.append(llm.generate([[1, 2, 3]], long)), daemon=True)
+            worker.start()
+            wait_for(lambda: llm.engine.state().num_running == 1 or bool(box))
+            with llm._lock:
+                running = llm.engine.state().num_running == 1
+                if running:
+                    with pytest.raises(CheckpointError, match="the trainer went away"):
+                        llm.update_weights(stream())
+            if running:
+                break
+            worker.join(10)
+        assert running, "the request finished before the failed update could come, five times"
         assert llm.state.num_running == 1 and not llm.state.serving
         wait_for(lambda: len(llm._lock._waiters) == 1)  # the generate waits for the engine to serve
         llm.sleep(1, "abort")
@@ -279,7 +292,8 @@ def test_a_generate_waiting_while_not_serving_returns_when_a_sleep_aborts_its_re
         llm.wait_if_asleep = 0.0
         llm.wake_up()
         llm.reload_weights()
-        worker.join(10)
+        if worker is not None:
+            worker.join(10)
 
 
 def wait_for(condition, timeout: float = 10.0) -> None:
