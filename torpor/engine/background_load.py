@@ -19,6 +19,7 @@ What runs where:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -27,17 +28,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torpor.engine.loader import CheckpointError, check_finite, plan_checkpoint
+from torpor.engine.loader import CheckpointError, check_finite, load_failed, plan_checkpoint
+from torpor.engine.weight_staging import StagingBuffers, copy_reads, prepare_reads, usable_cpus
 from torpor.env import Env
 
 logger = logging.getLogger("torpor.engine")
 
 
-def beside_threads(staging) -> int:
+def beside_threads(staging: StagingBuffers) -> int:
     """Reader threads of a load beside the start-up: TORPOR_LOAD_THREADS, else half the staging's (they copy
     from the page cache at the cores' speed and would take the cores the graph capture's Python needs)."""
-    from torpor.engine.weight_staging import usable_cpus
-
     return Env.read().load_threads or max(1, min(staging.threads, usable_cpus()) // 2)
 
 
@@ -45,12 +45,11 @@ class BackgroundLoad:
     """`path` planned against `model` now (CheckpointError if it does not fit), copied on a new thread through
     `staging` on `stream` (a CUDA stream, or None on CPU). Call `finish` (or `abandon`) exactly once."""
 
-    def __init__(self, model: nn.Module, path: str | Path, staging, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, model: nn.Module, path: str | Path, staging: StagingBuffers,
+                 stream: torch.cuda.Stream | None) -> None:
         self.path = path
         self._start = time.perf_counter()
         self._entries, self._copies = plan_checkpoint(model, path)
-        from torpor.engine.weight_staging import prepare_reads
-
         self._reads = prepare_reads(self._entries, self._copies, staging)  # buffers pinned here, not beside a capture
         self.threads = beside_threads(staging)
         self._planned = time.perf_counter()
@@ -63,15 +62,11 @@ class BackgroundLoad:
         self._thread.start()
 
     def _run(self) -> None:
-        from torpor.engine.weight_staging import copy_reads
-
         try:
             if self._stream is not None:
                 torch.cuda.set_device(self._device)  # a new thread starts on device 0
-                with torch.cuda.stream(self._stream):
-                    self._nbytes = copy_reads(self._reads, self._staging, self.threads)  # synchronizes the stream
-            else:
-                self._nbytes = copy_reads(self._reads, self._staging, self.threads)
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                self._nbytes = copy_reads(self._reads, self._staging, self.threads)  # synchronizes the stream
         except BaseException as e:  # re-raised by finish, on the caller's thread
             self._error = e
         self._copied = time.perf_counter()
@@ -85,8 +80,7 @@ class BackgroundLoad:
         if isinstance(self._error, CheckpointError):
             raise self._error
         if self._error is not None:
-            raise CheckpointError(f"loading {self.path} failed after writing weights: {self._error}",
-                                  weights_written=True) from self._error
+            raise load_failed(self.path, self._error) from self._error
         check_finite(self._copies)
         seconds = self._copied - self._planned
         logger.debug("loaded %.3f GB from %s beside the start-up: plan %.3f s, copy %.3f s (%.1f GB/s), finite "

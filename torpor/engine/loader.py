@@ -363,12 +363,17 @@ def load_weights(model: nn.Module, path: str | Path, staging=None) -> None:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"loading {path} failed after writing weights: {e}", weights_written=True) from e
+        raise load_failed(path, e) from e
     finally:
         if own:
             staging.close()
     if hasattr(model, "reset_buffers"):
         model.reset_buffers()
+
+
+def load_failed(path: str | Path, error: BaseException) -> CheckpointError:
+    """The error of a load that failed after it began writing (`error` is not a CheckpointError already)."""
+    return CheckpointError(f"loading {path} failed after writing weights: {error}", weights_written=True)
 
 
 def load_weights_reference(model: nn.Module, path: str | Path) -> None:
@@ -407,7 +412,7 @@ def _non_finite(tensors: Sequence[torch.Tensor], members: list[int]) -> list[int
     """The members of a run found non-finite that are (none: only the padding between them was)."""
     if len(members) == 1:
         return members
-    return [i for i in members if not bool(torch.isfinite(torch.stack(torch.aminmax(tensors[i]))).all())]
+    return [i for i in members if first_non_finite([tensors[i]]) is not None]
 
 
 _MAX_RUN_GAP_BYTES = 64  # a flattened bucket pads each tensor to 16 bytes

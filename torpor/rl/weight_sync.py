@@ -18,7 +18,6 @@ through `POST /init_weights_update_group`; each push broadcasts every tensor in 
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import time
 import uuid
@@ -29,6 +28,9 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 
 import torch
+
+from torpor.engine import phase_times
+from torpor.engine.phase_times import phase
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_IN_FLIGHT = 2  # requests a push keeps in flight over HTTP (1: each sent after the previous answer)
@@ -186,21 +188,21 @@ class WeightPusher:
         report = PushReport(0.0, 0, 0, 0, in_flight=depth)
         position = Position(uuid.uuid4().hex)
         pending: deque[tuple[Future, list[Bucket]]] = deque()  # answers to come, with the buckets they read
-        timed = report.trainer_phases
-        with ThreadPoolExecutor(depth, thread_name_prefix="torpor-push") as sender:
+        with phase_times.collect() as timed, ThreadPoolExecutor(depth, thread_name_prefix="torpor-push") as sender:
             try:
-                for group, last in self._requests(buckets, timed):
-                    with _timed(timed, "serialize"):
+                for group, last in self._requests(buckets):
+                    with phase("serialize"):
                         request = self._prepare(group, flush_cache=flush_cache and last)
-                    with _timed(timed, "wait"):
+                    with phase("wait"):
                         while len(pending) >= depth:
                             self._finish(*pending.popleft(), report)
                     pending.append((self._send(sender, request, position.next()), group))
-                with _timed(timed, "wait"):
+                with phase("wait"):
                     while pending:
                         self._finish(*pending.popleft(), report)
             finally:
                 wait([answer for answer, _ in pending])  # after a failure: the engine may still read those
+        report.trainer_phases = {name: seconds for name, seconds in timed.items() if name != "total"}
         report.seconds = time.perf_counter() - start
         return report
 
@@ -209,17 +211,17 @@ class WeightPusher:
             return _done_future(self._post(request, headers))
         return sender.submit(self._post, request, headers)
 
-    def _requests(self, buckets: Iterable[Bucket], timed: dict[str, float]) -> Iterator[tuple[list[Bucket], bool]]:
+    def _requests(self, buckets: Iterable[Bucket]) -> Iterator[tuple[list[Bucket], bool]]:
         """(buckets of one request, whether it is the last), each bucket complete on its device."""
         pending: list[Bucket] = []
         buckets = iter(buckets)
         while True:
-            with _timed(timed, "bucket"):
+            with phase("bucket"):  # the flattening, when `buckets` makes them as they come
                 bucket = next(buckets, None)
             if bucket is None:
                 break
             if bucket.flattened.is_cuda:
-                with _timed(timed, "sync"):
+                with phase("sync"):
                     torch.cuda.current_stream(bucket.flattened.device).synchronize()
             if len(pending) == self.buckets_per_request:
                 yield pending, False
@@ -240,8 +242,6 @@ class WeightPusher:
     def _post(self, request: dict, headers: dict[str, str]) -> dict:
         """Send one request; returns the engine's answer ({"seconds", "timings"}) once it copied the buckets."""
         if self.http is None:  # an in-process LLM
-            from torpor.engine import phase_times
-
             start = time.perf_counter()
             with phase_times.collect() as timings:
                 self.target.update_weights_from_tensor(request["payload"], load_format="flattened_bucket",
@@ -258,8 +258,8 @@ class WeightPusher:
         result = answer.result()
         report.engine_seconds += float(result.get("seconds") or 0.0)
         timings = result.get("timings") or {}
-        for phase, seconds in timings.items():
-            report.engine_phases[phase] = report.engine_phases.get(phase, 0.0) + float(seconds)
+        for name, seconds in timings.items():
+            report.engine_phases[name] = report.engine_phases.get(name, 0.0) + float(seconds)
         report.staged += "stage" in timings
         report.requests += 1
         report.handler_seconds.append(float(result.get("seconds") or 0.0))
@@ -334,15 +334,6 @@ class DistributedPusher:
             destroy_group_handle(self.group)
             self.http.close()
 
-
-
-@contextlib.contextmanager
-def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def _done_future(result) -> Future:
