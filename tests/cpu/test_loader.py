@@ -213,3 +213,34 @@ def test_checkpoint_tensors_stream_from_safetensors(qwen2):
     with safe_open(qwen2 / "model.safetensors", framework="pt") as f:
         names = set(f.keys())
     assert set(checkpoint_tensors(qwen2)) == names
+
+
+def test_a_checked_update_copies_through_the_plans_as_the_weight_loaders_do(qwen2):
+    """`copy_checked` (a whole checked update: the cached meta plans, no weight loader) writes exactly what the
+    weight loaders write, tensor by tensor — fused q/k/v and gate/up, biases, tied embeddings — from sources that
+    are views at an offset of one storage (a flattened bucket) or not contiguous at all, in another dtype."""
+    from torpor.engine.loader import check_update, copy_checked
+
+    generator = torch.Generator().manual_seed(7)
+    new = {name: torch.randn(t.shape, generator=generator).to(torch.bfloat16)
+           for name, t in checkpoint_tensors(qwen2).items()}
+    flat = torch.cat([t.reshape(-1) for t in new.values()])  # one storage, each tensor at its offset
+    sources, offset = [], 0
+    for i, (name, t) in enumerate(new.items()):
+        view = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+        if i % 3 == 0 and t.dim() == 2:  # the same values, transposed storage: not contiguous
+            view = t.t().contiguous().t()
+            assert not view.is_contiguous()
+        sources.append((name, view))
+    by_loaders, by_plans = new_model(qwen2), new_model(qwen2)
+    load_weights(by_loaders, qwen2)
+    load_weights(by_plans, qwen2)
+    assert load_named_tensors(by_loaders, list(new.items())) == load_named_tensors(by_plans, sources,
+                                                                                   values_checked=True)
+    check_update(by_plans, sources, strict=True)  # what values_checked stands for
+    assert copy_checked(by_plans, sources) > 0  # again, from the cache
+    expected = dict(by_loaders.named_parameters())
+    for name, param in by_plans.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    assert not torch.equal(expected["model.norm.weight"], checkpoint_tensors(qwen2)["model.norm.weight"].float())

@@ -264,21 +264,31 @@ def check_sources(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Se
                   strict: bool) -> None:
     """The checks of `plan_copies` without the plan. The meta dry run of a source depends only on its name,
     shape and dtype and on the model's structure, which never changes (`parameters_of`): a (name, shape,
-    dtype) the model accepted once is accepted again without running it, so a trainer pushing in buckets
-    pays the dry run once per tensor per engine, not once per push. Duplicates, unknown names and (with
+    dtype) the model accepted once is accepted again without running it (`_plans`), so a trainer pushing in
+    buckets pays the dry run once per tensor per engine, not once per push. Duplicates, unknown names and (with
     `strict`) coverage are checked on every call."""
     _plan(model, sources, strict, want_copies=False)
 
 
-_accepted: weakref.WeakKeyDictionary[nn.Module, set[tuple[str, tuple[int, ...], torch.dtype]]] = \
+@dataclass(frozen=True)
+class _SourcePlan:
+    param_name: str
+    shard_id: object
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+# (name, shape, dtype) -> (parameter name, shard id, [(destination view of the real parameter, source meta
+# view)]), per model: what the meta dry run of that source found. It depends only on the source's name, shape and
+# dtype and on the model's fixed structure (`parameters_of`), so each runs once per model; a trainer pushing in
+# buckets pays it once per tensor per engine, not once per push, and its copies skip the weight loaders.
+_plans: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, tuple[int, ...], torch.dtype], _SourcePlan]] = \
     weakref.WeakKeyDictionary()
 
 
 def _plan(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[int], torch.dtype]], strict: bool,
           want_copies: bool) -> list[PlannedCopy]:
     params = parameters_of(model)
-    accepted = _accepted.setdefault(model, set())
-    stand_ins: dict[str, torch.Tensor] = {}  # only the parameters this update names: a bucket names a few
+    plans = _plans.setdefault(model, {})
     packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
@@ -290,23 +300,59 @@ def _plan(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[i
         seen.add(name)
         if is_ignored(name):
             continue
-        param_name, shard_id = _resolve(name, packed)
-        if param_name not in params:
-            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
-        key = (name, tuple(int(d) for d in shape), dtype)
-        if want_copies or key not in accepted:
-            param = params[param_name]
-            stand_in = stand_ins.get(param_name)
-            if stand_in is None:
-                stand_in = stand_ins[param_name] = torch.empty_like(param, device="meta")
-            for dst, src in _dry_run(param, stand_in, name, key[1], dtype, shard_id):
-                real = param.data.as_strided(dst.shape, dst.stride(), param.storage_offset() + dst.storage_offset())
-                copies.append(PlannedCopy(name, real, src))
-            accepted.add(key)
-        loaded.add((param_name, shard_id))
+        plan = _source_plan(model, params, plans, packed, name, tuple(int(d) for d in shape), dtype)
+        if want_copies:
+            copies.extend(PlannedCopy(name, dst, src) for dst, src in plan.copies)
+        loaded.add((plan.param_name, plan.shard_id))
     if strict:
         _check_complete(params, loaded, packed)
     return copies
+
+
+def _source_plan(model: nn.Module, params: dict[str, nn.Parameter], plans: dict, packed: dict, name: str,
+                 shape: tuple[int, ...], dtype: torch.dtype) -> _SourcePlan:
+    """The cached plan of one source (not ignored by the model); ValueError when the model refuses it."""
+    key = (name, shape, dtype)
+    plan = plans.get(key)
+    if plan is None:
+        param_name, shard_id = _resolve(name, packed)
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        param = params[param_name]
+        stand_in = torch.empty_like(param, device="meta")
+        copies = tuple((param.data.as_strided(dst.shape, dst.stride(), param.storage_offset() + dst.storage_offset()),
+                        src) for dst, src in _dry_run(param, stand_in, name, shape, dtype, shard_id))
+        plan = plans[key] = _SourcePlan(param_name, shard_id, copies)
+    return plan
+
+
+def copy_checked(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """Copy an update that `check_update` (or `check_staged`) accepted whole, through each source's cached plan:
+    one `copy_` per destination view, no weight loader called (they ran once, on meta tensors). Returns the
+    number of (parameter, shard) pairs written, as `load_named_tensors` does."""
+    params = parameters_of(model)
+    plans = _plans.setdefault(model, {})
+    packed = getattr(model, "packed_modules_mapping", {})
+    is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
+    loaded: set[tuple[str, object]] = set()
+    try:
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if is_ignored(name):
+                    continue
+                plan = _source_plan(model, params, plans, packed, name, tuple(tensor.shape), tensor.dtype)
+                if plan.copies and not tensor.is_contiguous():  # the source views assume the checkpoint's layout
+                    tensor = tensor.contiguous()
+                base = tensor.storage_offset()
+                for dst, src in plan.copies:
+                    dst.copy_(tensor.as_strided(src.shape, src.stride(), base + src.storage_offset()))
+                loaded.add((plan.param_name, plan.shard_id))
+    except Exception as e:  # after the checks, only a device failure
+        if not loaded:
+            raise  # nothing written: the weights are as they were
+        raise CheckpointError(f"the update failed after writing {len(loaded)} tensors, so the weights are now a "
+                              f"mix (complete the update or reload): {e}", weights_written=True) from e
+    return len(loaded)
 
 
 def _dry_run(param: nn.Parameter, stand_in: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -505,12 +551,15 @@ def load_named_tensors(
     values, before it is written, but earlier ones are already written when a later one fails). With
     `strict`, raise if any parameter (or fused shard) received nothing. Returns the number of tensors
     loaded. Buffers are not touched: after discarding the weights, call `model.reset_buffers()` once.
-    `values_checked`: `check_update` already found every value finite (a list checked whole), so the
-    per-tensor check (a device synchronization each, ~400 for an 8B model) is skipped."""
+    `values_checked`: `check_update` (or `check_staged`) accepted the list whole — names, shapes, dtypes, finite
+    values — so it is copied through the cached plans (`copy_checked`), without the per-tensor checks (a device
+    synchronization each, ~400 for an 8B model) or the weight loaders."""
     params = parameters_of(model)
     packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
+    if values_checked:
+        return copy_checked(model, named_tensors)
     try:
         _load_each(model, params, named_tensors, packed, is_ignored, loaded, strict, values_checked)
     except Exception as e:
