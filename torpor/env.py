@@ -56,10 +56,11 @@ class Env:
     # TORPOR_DECODE_PREFIXES=0: the GPU decode kernel reads every sequence's whole context itself instead of
     # reading each shared prompt prefix once per group of sequences (attention/triton_decode.py); for A/B runs.
     decode_prefixes: bool = True
-    # TORPOR_OVERLAP_LOAD=1: the start-up loads the weights on a thread of their own beside the KV sizing and the
-    # graph capture (engine/background_load.py) instead of first. Off by default: with the page cache warm it did
-    # not pay on the H200 (docs/weights.md); meant for loads bound by the disk.
-    overlap_load: bool = False
+    # TORPOR_OVERLAP_LOAD (default 1): the start-up loads the weights on a thread of their own beside the KV sizing
+    # and the graph capture (engine/background_load.py); 0 loads them first. On by default since runs 20 and 22 of
+    # 2026-12-02 (half the cores reading): 0.3 s faster with the page cache warm, 1.2-2.4 s with it cold
+    # (docs/weights.md).
+    overlap_load: bool = True
     # TORPOR_LOAD_THREADS: the staged loader's reader threads (0: one per core this process may use, at most one per
     # staging buffer; beside the start-up, half of those, leaving cores to the graph capture).
     load_threads: int = 0
@@ -81,7 +82,7 @@ class Env:
             debug=os.environ.get("TORPOR_DEBUG", "") not in ("", "0", "false"),
             kv_profile_cache=_choice("TORPOR_KV_PROFILE_CACHE", ("1", "0")) == "1",
             decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
-            overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("0", "1")) == "1",
+            overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("1", "0")) == "1",
             load_threads=_int("TORPOR_LOAD_THREADS", 0),
             capture_warmups=_choice("TORPOR_CAPTURE_WARMUPS", ("every", "first")),
         )

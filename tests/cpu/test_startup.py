@@ -68,3 +68,23 @@ def test_a_cpu_engine_starts_and_answers_without_the_heavy_imports(tiny_model_pa
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == dict(tokens=2, gc=True, imported=[])
+
+
+def test_triton_hashes_its_installation_on_the_warming_thread_not_at_the_first_launch():
+    """`warm_triton_cache_key` (started by a GPU start-up beside the model build and the weight load) leaves
+    Triton's key of its own installation computed: the first kernel launch finds it cached, not recomputed."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        from torpor.engine.lazy_jit import warm_triton_cache_key
+        thread = warm_triton_cache_key()
+        assert thread.name.startswith("torpor-") and thread.daemon
+        thread.join()
+        import triton.runtime.cache as cache
+        before = cache.triton_key.cache_info()
+        cache.triton_key()  # what a launch's cache lookup (get_cache_key) calls first
+        after = cache.triton_key.cache_info()
+        print(before.misses, before.currsize, after.misses, after.hits - before.hits)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "1", "1"]  # computed once, on the thread; the later call a hit

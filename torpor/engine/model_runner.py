@@ -7,7 +7,7 @@ buffer lands where sleep mode expects it:
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model (parameters and the RoPE table)
     (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters (with
-                 TORPOR_OVERLAP_LOAD=1 on a thread of its own beside the phases below: background_load.py)
+                 on a thread of its own beside the phases below, unless TORPOR_OVERLAP_LOAD=0: background_load.py)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from torpor.engine.kv_cache import (
     gpu_num_kv_blocks,
     kv_block_bytes,
 )
+from torpor.engine.lazy_jit import warm_triton_cache_key
 from torpor.engine.loader import CheckpointError, check_update, checkpoint_bytes, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.config import DTYPES
@@ -106,11 +108,13 @@ class ModelRunner:
 
     def _start(self, config: EngineConfig) -> None:
         on_gpu = self.device.type == "cuda"
+        self._triton_key: threading.Thread | None = None
         with timed_phase("attention_backend"):  # GPU: imports triton (the decode kernel's)
             if on_gpu:
                 from torpor.engine.attention.triton_backend import TritonAttentionBackend
 
                 self.backend = TritonAttentionBackend()
+                self._triton_key = warm_triton_cache_key()  # hashed beside the model build and the weight load
             else:
                 self.backend = TorchAttentionBackend()
         if on_gpu:
@@ -152,6 +156,9 @@ class ModelRunner:
             load_stream.close()
 
     def _size_and_allocate(self, config: EngineConfig, capture_error_mode: str) -> None:
+        if self._triton_key is not None:  # before the first launch (the KV sizing's or the first warm-up's)
+            self._triton_key.join()
+            self._triton_key = None
         # Under tensor parallelism every rank must hold the blocks the scheduler (on rank 0) hands out.
         with timed_phase("kv_cache_sizing"):
             self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
