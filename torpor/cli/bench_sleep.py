@@ -92,20 +92,21 @@ BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited 
 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
-                      bytecode_cache: bool = True, overlap_load: bool = False, cold_cache: bool = False,
+                      bytecode_cache: bool = True, overlap_load: bool = True, cold_cache: bool = False,
                       load_threads: int = 0, capture_warmups: str = "every", profile_top: int = 0) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
     (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token. The process starts as the
     `torpor` command does (lazy.use_bytecode_cache first) unless `bytecode_cache` is False. With `overlap_load`
-    (TORPOR_OVERLAP_LOAD=1) the weights load on a thread of their own beside the KV sizing and the graph capture:
-    the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and `weight_load_beside_s`
-    the load's own seconds; without (the default), `weight_load` comes first. `cold_cache`: the checkpoint's pages
-    dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs). `load_threads`:
-    TORPOR_LOAD_THREADS (0: the loader's own choice). `capture_warmups`: TORPOR_CAPTURE_WARMUPS ("first": only the
-    largest graph size warmed up before its capture). `profile_top`: the engine's start-up also runs under cProfile,
-    and `profile` holds the functions with the most time of their own (the first N of pstats' table, by tottime)."""
+    (TORPOR_OVERLAP_LOAD=1, the engine's default) the weights load on a thread of their own beside the KV sizing and
+    the graph capture: the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and
+    `weight_load_beside_s` the load's own seconds; without, `weight_load` comes first. `cold_cache`: the
+    checkpoint's pages dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs).
+    `load_threads`: TORPOR_LOAD_THREADS (0: the loader's own choice). `capture_warmups`: TORPOR_CAPTURE_WARMUPS
+    ("first": only the largest graph size warmed up before its capture). `profile_top`: the engine's start-up also
+    runs under cProfile, and `profile` holds the functions with the most time of their own (the first N of pstats'
+    table, by tottime)."""
     import os
     import subprocess
 
@@ -542,26 +543,29 @@ def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
 
 
 def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
-    """A restart profiling its KV-sizing step (the old path); then restarts reading back the step it measured,
-    loading the weights first (the default) and beside the KV sizing and the graph capture
-    (TORPOR_OVERLAP_LOAD=1), alternated three times each (`cold_start_alternated`: the machine's noise moves both
-    alike; the rows named as before are the first of each); one under cProfile (where the start-up's own time
-    goes); one warming up only the largest graph size; the default and the overlapped start again with the
-    checkpoint's page cache dropped first."""
-    results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False)
-    alternated: dict[str, list[dict]] = {"loaded_first": [], "overlapped": []}
+    """A restart profiling its KV-sizing step (the old path, weights loaded first); then restarts reading back the
+    step it measured: loading the weights first (TORPOR_OVERLAP_LOAD=0), beside the KV sizing and the graph capture
+    (the default), and the latter with one graph warm-up (TORPOR_CAPTURE_WARMUPS=first), alternated three times each
+    (`cold_start_alternated`: the machine's noise moves them alike; the rows named as before are the first of the
+    first two); the default under cProfile (where the start-up's own time goes); loaded first with one warm-up;
+    loaded first and beside again with the checkpoint's page cache dropped first."""
+    results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False, overlap_load=False)
+    alternated: dict[str, list[dict]] = {"loaded_first": [], "overlapped": [], "overlapped_one_warmup": []}
     for _ in range(3):
-        alternated["loaded_first"].append(cold_start_phases(model, args))
+        alternated["loaded_first"].append(cold_start_phases(model, args, overlap_load=False))
         alternated["overlapped"].append(cold_start_phases(model, args, overlap_load=True))
+        alternated["overlapped_one_warmup"].append(cold_start_phases(model, args, overlap_load=True,
+                                                                     capture_warmups="first"))
     results["cold_start_alternated"] = alternated
     results["cold_start_phases"] = alternated["loaded_first"][0]
     results["cold_start_phases_overlapped"] = alternated["overlapped"][0]
     results["cold_start_phases_profiled"] = cold_start_phases(model, args, profile_top=30)
-    try:  # an experiment: the smaller sizes' first uses inside their captures (run 20: no gain, one sample)
-        results["cold_start_phases_one_warmup"] = cold_start_phases(model, args, capture_warmups="first")
+    try:  # an experiment: the smaller sizes' first uses inside their captures (runs 22-23: capture 0.44-0.48 s less)
+        results["cold_start_phases_one_warmup"] = cold_start_phases(model, args, overlap_load=False,
+                                                                    capture_warmups="first")
     except RuntimeError as e:
         results["cold_start_phases_one_warmup"] = {"failed": str(e)[-600:]}
-    results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, cold_cache=True)
+    results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, overlap_load=False, cold_cache=True)
     results["cold_start_phases_cold_cache_overlapped"] = cold_start_phases(model, args, overlap_load=True,
                                                                            cold_cache=True)
 
