@@ -592,13 +592,11 @@ def report_loader(r: dict) -> None:
                        ("cold_start_phases", "the step's memory read back"),
                        ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
                                                         "graph capture"),
-                       ("cold_start_phases_overlapped_all_cores", "read back, beside, a reader thread per core"),
                        ("cold_start_phases_one_warmup", "read back, only the largest graph size warmed up"),
                        ("cold_start_phases_profiled", "read back, under cProfile (slower: the profiler's cost)"),
                        ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
                        ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
-                                                                   "weights loaded beside"),
-                       ("cold_start_phases_compiling", "read back, no bytecode cache")):
+                                                                   "weights loaded beside")):
         if key in r and "failed" in r[key]:
             console.print(f"cold start in a new process, {label}: failed: {r[key]['failed']}")
         elif key in r:

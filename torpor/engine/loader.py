@@ -552,16 +552,16 @@ def load_named_tensors(
     `strict`, raise if any parameter (or fused shard) received nothing. Returns the number of tensors
     loaded. Buffers are not touched: after discarding the weights, call `model.reset_buffers()` once.
     `values_checked`: `check_update` (or `check_staged`) accepted the list whole — names, shapes, dtypes, finite
-    values — so it is copied through the cached plans (`copy_checked`), without the per-tensor checks (a device
+    values and, with `strict`, the coverage — so it is copied through the cached plans (`copy_checked`), without the per-tensor checks (a device
     synchronization each, ~400 for an 8B model) or the weight loaders."""
+    if values_checked:
+        return copy_checked(model, named_tensors)
     params = parameters_of(model)
     packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
-    if values_checked:
-        return copy_checked(model, named_tensors)
     try:
-        _load_each(model, params, named_tensors, packed, is_ignored, loaded, strict, values_checked)
+        _load_each(model, params, named_tensors, packed, is_ignored, loaded, strict)
     except Exception as e:
         if not loaded:
             raise  # nothing written: the weights are as they were
@@ -571,7 +571,7 @@ def load_named_tensors(
 
 
 def _load_each(model: nn.Module, params: dict[str, nn.Parameter], named_tensors: Iterable, packed: dict,
-               is_ignored, loaded: set[tuple[str, object]], strict: bool, values_checked: bool) -> None:
+               is_ignored, loaded: set[tuple[str, object]], strict: bool) -> None:
     with torch.no_grad():
         for name, tensor in named_tensors:
             if is_ignored(name):
@@ -581,7 +581,7 @@ def _load_each(model: nn.Module, params: dict[str, nn.Parameter], named_tensors:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-            if not values_checked and first_non_finite([tensor]) is not None:
+            if first_non_finite([tensor]) is not None:
                 raise ValueError(f"tensor {name!r} holds non-finite values (NaN or infinity)")
             param = params[param_name]
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
