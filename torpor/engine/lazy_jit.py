@@ -4,6 +4,7 @@ its first import. Used by models/layers/fused.py and sampler_kernels.py."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -56,10 +57,11 @@ def warm_triton_cache_key() -> threading.Thread:
         for module in ("triton.runtime.cache", "triton.compiler.compiler"):
             try:
                 triton_key = getattr(importlib.import_module(module), "triton_key", None)
-            except ImportError:
-                continue
-            if triton_key is not None:
-                triton_key()  # functools.lru_cache: the first launch finds it computed
+                if triton_key is not None:
+                    triton_key()  # functools.lru_cache: the first launch finds it computed
+                    return
+            except Exception as e:  # the first launch computes it itself (and raises what it raises)
+                logging.getLogger("torpor.engine").debug("Triton's cache key not computed ahead: %s", e)
                 return
 
     thread = threading.Thread(target=compute, name="torpor-triton-key", daemon=True)

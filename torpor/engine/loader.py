@@ -552,8 +552,8 @@ def load_named_tensors(
     `strict`, raise if any parameter (or fused shard) received nothing. Returns the number of tensors
     loaded. Buffers are not touched: after discarding the weights, call `model.reset_buffers()` once.
     `values_checked`: `check_update` (or `check_staged`) accepted the list whole — names, shapes, dtypes, finite
-    values and, with `strict`, the coverage — so it is copied through the cached plans (`copy_checked`), without the per-tensor checks (a device
-    synchronization each, ~400 for an 8B model) or the weight loaders."""
+    values and, with `strict`, the coverage — so it is copied through the cached plans (`copy_checked`), without
+    the per-tensor checks (a device synchronization each, ~400 for an 8B model) or the weight loaders."""
     if values_checked:
         return copy_checked(model, named_tensors)
     params = parameters_of(model)
