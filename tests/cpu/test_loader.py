@@ -244,3 +244,23 @@ def test_a_checked_update_copies_through_the_plans_as_the_weight_loaders_do(qwen
     for name, param in by_plans.named_parameters():
         assert torch.equal(param, expected[name]), name
     assert not torch.equal(expected["model.norm.weight"], checkpoint_tensors(qwen2)["model.norm.weight"].float())
+
+
+def test_a_checked_copy_that_fails_midway_says_the_weights_are_a_mix(qwen2):
+    """`copy_checked` after its checks can fail only on the device (here a source whose data cannot be read): before
+    any write the error is raised as it is (the weights are as they were); after one, as CheckpointError with
+    `weights_written`, which makes the engine refuse to serve until a complete update."""
+    from torpor.engine.loader import copy_checked
+
+    model = new_model(qwen2)
+    load_weights(model, qwen2)
+    norm, k = "model.norm.weight", "model.layers.0.self_attn.k_proj.weight"
+    config = model.config
+    unreadable = torch.empty(config.kv_size, config.hidden_size, device="meta")
+    with pytest.raises((RuntimeError, NotImplementedError)) as first:
+        copy_checked(model, [(k, unreadable)])
+    assert not isinstance(first.value, CheckpointError)
+    with pytest.raises(CheckpointError, match="after writing 1 tensors") as midway:
+        copy_checked(model, [(norm, torch.ones(config.hidden_size)), (k, unreadable)])
+    assert midway.value.weights_written
+    assert torch.equal(dict(model.named_parameters())[norm], torch.ones(config.hidden_size))

@@ -21,6 +21,7 @@ folder) and the problem; the safetensors library's own errors never escape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -287,9 +288,6 @@ _plans: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, tuple[int, ...], to
 
 def _plan(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[int], torch.dtype]], strict: bool,
           want_copies: bool) -> list[PlannedCopy]:
-    params = parameters_of(model)
-    plans = _plans.setdefault(model, {})
-    packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
     seen: set[str] = set()
@@ -300,22 +298,23 @@ def _plan(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[i
         seen.add(name)
         if is_ignored(name):
             continue
-        plan = _source_plan(model, params, plans, packed, name, tuple(int(d) for d in shape), dtype)
+        plan = _source_plan(model, name, tuple(int(d) for d in shape), dtype)
         if want_copies:
             copies.extend(PlannedCopy(name, dst, src) for dst, src in plan.copies)
         loaded.add((plan.param_name, plan.shard_id))
     if strict:
-        _check_complete(params, loaded, packed)
+        _check_complete(parameters_of(model), loaded, getattr(model, "packed_modules_mapping", {}))
     return copies
 
 
-def _source_plan(model: nn.Module, params: dict[str, nn.Parameter], plans: dict, packed: dict, name: str,
-                 shape: tuple[int, ...], dtype: torch.dtype) -> _SourcePlan:
+def _source_plan(model: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> _SourcePlan:
     """The cached plan of one source (not ignored by the model); ValueError when the model refuses it."""
     key = (name, shape, dtype)
+    plans = _plans.setdefault(model, {})
     plan = plans.get(key)
     if plan is None:
-        param_name, shard_id = _resolve(name, packed)
+        params = parameters_of(model)
+        param_name, shard_id = _resolve(name, getattr(model, "packed_modules_mapping", {}))
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[param_name]
@@ -330,29 +329,33 @@ def copy_checked(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tens
     """Copy an update that `check_update` (or `check_staged`) accepted whole, through each source's cached plan:
     one `copy_` per destination view, no weight loader called (they ran once, on meta tensors). Returns the
     number of (parameter, shard) pairs written, as `load_named_tensors` does."""
-    params = parameters_of(model)
-    plans = _plans.setdefault(model, {})
-    packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
+    with _a_mix_if_written(loaded), torch.no_grad():  # after the checks, only a device failure
+        for name, tensor in named_tensors:
+            if is_ignored(name):
+                continue
+            plan = _source_plan(model, name, tuple(tensor.shape), tensor.dtype)
+            if plan.copies and not tensor.is_contiguous():  # the source views assume the checkpoint's layout
+                tensor = tensor.contiguous()
+            base = tensor.storage_offset()
+            for dst, src in plan.copies:
+                dst.copy_(tensor.as_strided(src.shape, src.stride(), base + src.storage_offset()))
+            loaded.add((plan.param_name, plan.shard_id))
+    return len(loaded)
+
+
+@contextlib.contextmanager
+def _a_mix_if_written(loaded: set) -> Iterator[None]:
+    """A failure inside, once `loaded` holds what was written, raises CheckpointError with `weights_written` (the
+    weights are now a mix); before any write it is raised as it is (the weights are as they were)."""
     try:
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if is_ignored(name):
-                    continue
-                plan = _source_plan(model, params, plans, packed, name, tuple(tensor.shape), tensor.dtype)
-                if plan.copies and not tensor.is_contiguous():  # the source views assume the checkpoint's layout
-                    tensor = tensor.contiguous()
-                base = tensor.storage_offset()
-                for dst, src in plan.copies:
-                    dst.copy_(tensor.as_strided(src.shape, src.stride(), base + src.storage_offset()))
-                loaded.add((plan.param_name, plan.shard_id))
-    except Exception as e:  # after the checks, only a device failure
+        yield
+    except Exception as e:
         if not loaded:
-            raise  # nothing written: the weights are as they were
+            raise
         raise CheckpointError(f"the update failed after writing {len(loaded)} tensors, so the weights are now a "
                               f"mix (complete the update or reload): {e}", weights_written=True) from e
-    return len(loaded)
 
 
 def _dry_run(param: nn.Parameter, stand_in: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -560,13 +563,8 @@ def load_named_tensors(
     packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
-    try:
+    with _a_mix_if_written(loaded):
         _load_each(model, params, named_tensors, packed, is_ignored, loaded, strict)
-    except Exception as e:
-        if not loaded:
-            raise  # nothing written: the weights are as they were
-        raise CheckpointError(f"the update failed after writing {len(loaded)} tensors, so the weights are "
-                              f"now a mix (complete the update or reload): {e}", weights_written=True) from e
     return len(loaded)
 
 
