@@ -138,9 +138,57 @@ def test_malformed_push_headers_are_a_400(server, new_weights_path):
     payload = {"serialized_named_tensors": [serialize(_buckets(new_weights_path)[0].payload())],
                "load_format": "flattened_bucket"}
     for headers in ({"X-Torpor-Push-Id": "a"}, {"X-Torpor-Push-Id": "a", "X-Torpor-Push-Index": "-1"},
-                    {"X-Torpor-Push-Index": "0"}):
+                    {"X-Torpor-Push-Index": "0"}, {"X-Torpor-Push-Id": "a", "X-Torpor-Push-Index": "0",
+                                                   "X-Torpor-Push-Keep": "many"},
+                    {"X-Torpor-Push-Id": "a", "X-Torpor-Push-Index": "0", "X-Torpor-Push-Last": "yes"}):
         r = server.admin.post("/update_weights_from_tensor", headers=headers, json=payload)
         assert r.status_code == 400 and "x-torpor-push" in r.text, (headers, r.text)
+
+
+# ---- buffers reused through a push (torpor.rl.BucketRing, X-Torpor-Push-Keep / -Last) ----------------
+def test_a_push_through_reused_buffers_maps_each_once_and_keeps_nothing_after_it(server, new_weights_path, expected,
+                                                                                  monkeypatch, old_weights):
+    """`push` flattens the buckets into `in_flight + 2` buffers in turn: the engine maps each shared-memory file
+    once per push (not once per request), keeps those mappings between requests, and lets them go with the last."""
+    opened, kept_midway = [], []
+    new_shared = torch.UntypedStorage._new_shared_filename_cpu
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_filename_cpu",
+                        lambda *args: (opened.append(args[1]), new_shared(*args))[1])
+    pusher = WeightPusher(server.url, ADMIN, bucket_bytes=8_000, in_flight=2)
+    post = pusher._post
+
+    def noting(request, headers):
+        kept_midway.append(receiver_of(server.llm.engine).kept(headers["X-Torpor-Push-Id"]))
+        return post(request, headers)
+
+    pusher._post = noting
+    report = pusher.push(iter_checkpoint(new_weights_path))
+    assert report.requests >= 20
+    assert len(set(opened)) <= 2 * 4 < report.requests  # 4 buffers, each grown at most once
+    assert max(kept_midway) >= 2 and receiver_of(server.llm.engine).kept() == 0
+    assert _served(server) == expected.new
+
+
+def test_kept_mappings_go_with_a_sleep_and_with_a_push_that_stops(server, new_weights_path, monkeypatch,
+                                                                  old_weights):
+    """A push that keeps its buffers mapped and then sends nothing more (its trainer died) keeps nothing after
+    KEPT_IDLE_S; a sleep of the weights releases the mappings at once."""
+    monkeypatch.setattr(weight_pipeline, "KEPT_IDLE_S", 0.5)
+    receiver = receiver_of(server.llm.engine)
+    buckets = _buckets(new_weights_path)
+    for push_id in ("stops", "sleeps"):
+        for index in range(2):
+            headers = {"X-Torpor-Push-Id": push_id, "X-Torpor-Push-Index": str(index), "X-Torpor-Push-Keep": "4"}
+            r = server.admin.post("/update_weights_from_tensor", headers=headers, json={
+                "serialized_named_tensors": [serialize(buckets[index].payload())], "load_format": "flattened_bucket"})
+            assert r.status_code == 200, r.text
+        assert receiver.kept(push_id) == 2
+        if push_id == "sleeps":
+            assert server.admin.post("/sleep", params={"level": 1}).status_code == 200
+            assert receiver.kept() == 0
+            assert server.admin.post("/wake_up").status_code == 200
+        else:
+            wait_for(lambda: receiver.kept("stops") == 0, 30, "the idle push's mappings to go")
 
 
 # ---- failures in the middle of a push -------------------------------------------------------------
@@ -331,7 +379,7 @@ TRAINER = """
         while len(sent) < {die_after}:
             time.sleep(0.001)
         os._exit(3)  # mid-push, requests in flight
-    print(pusher.push_buckets(buckets), flush=True)
+    print(pusher.push(iter_checkpoint({path!r})) if {ring} else pusher.push_buckets(buckets), flush=True)
     del buckets
     gc.collect()
     mine = [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{{os.getpid()}}_")]
@@ -339,8 +387,9 @@ TRAINER = """
 """
 
 
-def _trainer(server, path: str, die_after: int = 0) -> tuple[int, str, str]:
-    code = textwrap.dedent(TRAINER.format(url=server.url, admin=ADMIN, path=path, bucket=SMALL, die_after=die_after))
+def _trainer(server, path: str, die_after: int = 0, ring: bool = False) -> tuple[int, str, str]:
+    code = textwrap.dedent(TRAINER.format(url=server.url, admin=ADMIN, path=path, bucket=SMALL, die_after=die_after,
+                                          ring=ring))
     with tempfile.TemporaryFile("w+") as err:  # torch's shm manager would hold a stderr pipe open
         done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}, text=True,
                               stdout=subprocess.PIPE, stderr=err, timeout=300)
@@ -349,8 +398,11 @@ def _trainer(server, path: str, die_after: int = 0) -> tuple[int, str, str]:
 
 
 @pytest.mark.slow
-def test_a_trainer_process_gets_its_memory_back(server, new_weights_path, expected, old_weights):
-    code, out, err = _trainer(server, new_weights_path)
+@pytest.mark.parametrize("ring", [False, True], ids=["own-buckets", "reused-buffers"])
+def test_a_trainer_process_gets_its_memory_back(server, new_weights_path, expected, old_weights, ring):
+    """Buckets of its own, or `push`'s buffers reused through the push (which the engine keeps mapped until the
+    last request): either way no shared-memory file of the trainer outlives the push."""
+    code, out, err = _trainer(server, new_weights_path, ring=ring)
     assert code == 0, err
     assert "files left 0" in out, out  # the engine kept no reference to the trainer's shared memory
     assert _served(server) == expected.new

@@ -583,6 +583,9 @@ class WeightReceiver:
         # memory (`held`): no IPC handle is opened during a context checkpoint or restore.
         self.gate = threading.Lock()
         self._staged: list[StagedUpdate] = []  # opened, waiting for their copy (dropped by a sleep)
+        # Storages of a trainer's memory kept open through a push whose trainer reuses its buffers (`keep`), by
+        # push id, the most recently used last; a sleep releases them all, as it drops the staged updates.
+        self._kept: dict[str, OrderedDict[tuple, torch.UntypedStorage]] = {}
         self._staged_lock = threading.Lock()
         self._stage_stream = None  # EngineStream of the staging thread (CUDA), made on the first staged request
 
@@ -715,6 +718,38 @@ class WeightReceiver:
         for update in staged:
             update.dropped = reason
             release_transfer_memory(update.pairs)
+        self.forget()
+
+    # ---- mappings kept through a push -----------------------------------------------------------------
+    def keep(self, push_id: str, storages: dict[tuple, torch.UntypedStorage], count: int) -> None:
+        """After a request's copy: keep `storages` (from `storages_of`, taken before the release) open for the
+        push's next requests, the `count` most recently used. A trainer that flattens its buckets into the same
+        few buffers (torpor.rl.BucketRing) then has each opened once per push: torch finds an open storage by its
+        handle and maps it again only when none is alive (`rebuild_cuda_tensor`, `rebuild_storage_filename`). Its
+        new IPC event is then not waited for; the pusher synchronizes every bucket before sending it."""
+        with self._staged_lock:
+            kept = self._kept.setdefault(push_id, OrderedDict())
+            for key, storage in storages.items():
+                kept[key] = storage
+                kept.move_to_end(key)
+            released = [kept.popitem(last=False)[1] for _ in range(max(0, len(kept) - count))]
+        released.clear()  # outside the lock: releasing a CUDA mapping is a driver call
+
+    def forget(self, push_id: str | None = None) -> None:
+        """Release the storages kept for the push `push_id` (None: for every push)."""
+        with self._staged_lock:
+            if push_id is None:
+                released, self._kept = list(self._kept.values()), {}
+            else:
+                released = [self._kept.pop(push_id)] if push_id in self._kept else []
+        released.clear()
+
+    def kept(self, push_id: str | None = None) -> int:
+        """How many storages are kept for `push_id` (None: for every push)."""
+        with self._staged_lock:
+            if push_id is None:
+                return sum(len(k) for k in self._kept.values())
+            return len(self._kept.get(push_id, ()))
 
     @property
     def discarded(self) -> bool:
@@ -815,6 +850,15 @@ def _describe(value) -> str:
     if isinstance(value, list | tuple):
         return f"a list of {len(value)}"
     return type(value).__name__
+
+
+def storages_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[tuple, torch.UntypedStorage]:
+    """The distinct storages the tensors are views of, by (device, address): what `WeightReceiver.keep` keeps."""
+    storages = {}
+    for _, tensor in named_tensors:
+        storage = tensor.untyped_storage()
+        storages[(storage.device, storage.data_ptr())] = storage
+    return storages
 
 
 def release_transfer_memory(named_tensors: list) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from torpor.engine import phase_times
 from torpor.engine.phase_times import phase
+from torpor.rl.bucket_ring import BucketRing
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_IN_FLIGHT = 2  # requests a push keeps in flight over HTTP (1: each sent after the previous answer)
@@ -42,9 +43,14 @@ class Position:
 
     push_id: str
     index: int = 0
+    keep: int = 0  # buffers the push cycles through (`BucketRing`): the engine keeps that many mappings open
 
-    def next(self) -> dict[str, str]:
+    def next(self, last: bool) -> dict[str, str]:
         headers = {"X-Torpor-Push-Id": self.push_id, "X-Torpor-Push-Index": str(self.index)}
+        if self.keep:
+            headers["X-Torpor-Push-Keep"] = str(min(self.keep, 999))  # the engine keeps 16 at most
+            if last:
+                headers["X-Torpor-Push-Last"] = "1"
         self.index += 1
         return headers
 
@@ -97,8 +103,10 @@ class PushReport:
 
 
 def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Bucket]:
-    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, ring: BucketRing | None = None) -> Iterator[Bucket]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own), each
+    flattened into memory of its own, or into `ring`'s buffers in turn (then a bucket's memory is reused
+    `ring.slots` buckets later: the caller must be done with it by then)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     pending: list[tuple[str, torch.Tensor]] = []
@@ -106,18 +114,18 @@ def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if pending and size + nbytes > bucket_bytes:
-            yield _flatten(pending)
+            yield _flatten(pending, ring)
             pending, size = [], 0
         pending.append((name, tensor.detach()))
         size += nbytes
     if pending:
-        yield _flatten(pending)
+        yield _flatten(pending, ring)
 
 
 ALIGN = 16  # every tensor starts 16-byte aligned in its bucket (a dtype view needs an aligned offset)
 
 
-def _flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+def _flatten(named: list[tuple[str, torch.Tensor]], ring: BucketRing | None = None) -> Bucket:
     metadata, parts, offset = [], [], 0
     for name, tensor in named:
         data = tensor.contiguous().view(-1).view(torch.uint8)  # the tensor's bytes (any dtype)
@@ -128,7 +136,9 @@ def _flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
         if padding:
             parts.append(torch.zeros(padding, dtype=torch.uint8, device=data.device))
             offset += padding
-    return Bucket(torch.cat(parts), metadata)
+    if ring is None:
+        return Bucket(torch.cat(parts), metadata)
+    return Bucket(torch.cat(parts, out=ring.take(parts[0].device, offset)), metadata)
 
 
 def serialize(obj) -> str:
@@ -171,10 +181,19 @@ class WeightPusher:
             self.http = httpx.Client(base_url=target, headers=headers, timeout=timeout)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
-        """Every tensor, in buckets of `bucket_bytes` (`push_buckets`)."""
-        return self.push_buckets(bucket_named_tensors(named_tensors, self.bucket_bytes), flush_cache)
+        """Every tensor, in buckets of `bucket_bytes` (`push_buckets`). Over HTTP the buckets are flattened into
+        the buffers of a `BucketRing`, one per request the push holds at once, reused in turn (each shared with
+        the engine once; the engine keeps its mappings until the push's last request), given back at the end."""
+        if self.http is None:
+            return self.push_buckets(bucket_named_tensors(named_tensors, self.bucket_bytes), flush_cache)
+        ring = BucketRing((self.in_flight + 2) * self.buckets_per_request, self.bucket_bytes)
+        try:
+            return self.push_buckets(bucket_named_tensors(named_tensors, self.bucket_bytes, ring), flush_cache,
+                                     keep=ring.slots)
+        finally:
+            ring.close()
 
-    def push_buckets(self, buckets: Iterable[Bucket], flush_cache: bool = True) -> PushReport:
+    def push_buckets(self, buckets: Iterable[Bucket], flush_cache: bool = True, keep: int = 0) -> PushReport:
         """Every bucket, `buckets_per_request` buckets per request (SGLang's form: 1; more: fewer round trips,
         more trainer memory held at once); the prefix cache is flushed after the last request. Each bucket is
         complete on the trainer's device before it is sent (the engine must read finished values) and stays
@@ -182,11 +201,13 @@ class WeightPusher:
         built (so `in_flight` + 2 requests' buckets are held at once: those in flight, the next, and the one
         after it, built to know whether the next is the last); each carries torpor's push headers, so the
         engine applies them in order and none after the first that failed. Answers are awaited in order and
-        the first failure is raised once every request in flight has answered."""
+        the first failure is raised once every request in flight has answered. `keep`: the buckets cycle through
+        that many buffers (`BucketRing`, as `push` makes them), so the engine may keep that many of its mappings
+        of the trainer's memory open until the last request (0: it opens and releases each request's)."""
         start = time.perf_counter()
         depth = self.in_flight if self.http is not None else 1
         report = PushReport(0.0, 0, 0, 0, in_flight=depth)
-        position = Position(uuid.uuid4().hex)
+        position = Position(uuid.uuid4().hex, keep=keep)
         pending: deque[tuple[Future, list[Bucket]]] = deque()  # answers to come, with the buckets they read
         with phase_times.collect() as timed, ThreadPoolExecutor(depth, thread_name_prefix="torpor-push") as sender:
             try:
@@ -196,7 +217,7 @@ class WeightPusher:
                     with phase("wait"):
                         while len(pending) >= depth:
                             self._finish(*pending.popleft(), report)
-                    pending.append((self._send(sender, request, position.next()), group))
+                    pending.append((self._send(sender, request, position.next(last)), group))
                 with phase("wait"):
                     while pending:
                         self._finish(*pending.popleft(), report)

@@ -17,6 +17,12 @@ Commands reach the engine thread in the order they are queued, and a request is 
 
 Under tensor parallelism, or for a payload that is not one entry, the request runs on the engine thread as
 before (its order and failure rule still apply).
+
+A push whose trainer flattens its buckets into a few buffers reused in turn (`X-Torpor-Push-Keep: <n>`, sent by
+`WeightPusher.push` with its `torpor.rl.BucketRing`) has the storages the engine opened kept between its requests
+(`WeightReceiver.keep`, at most MAX_KEPT), so each buffer is mapped once per push; they are released after the
+request marked `X-Torpor-Push-Last: 1`, after the push's first failure, by a sleep of the weights, or when no
+request of the push came for KEPT_IDLE_S.
 """
 
 from __future__ import annotations
@@ -37,26 +43,37 @@ if TYPE_CHECKING:
 
 PUSH_ID_HEADER = "x-torpor-push-id"
 PUSH_INDEX_HEADER = "x-torpor-push-index"
+PUSH_KEEP_HEADER = "x-torpor-push-keep"  # the buffers the trainer cycles through (torpor.rl.BucketRing)
+PUSH_LAST_HEADER = "x-torpor-push-last"  # "1" on a push's last request
 TURN_TIMEOUT_S = 60.0  # how long a request waits for the one before it in its push
 MAX_PUSHES = 64  # pushes whose order is remembered (the oldest is forgotten first)
+MAX_KEPT = 16  # mappings of a trainer's memory kept open per push, at most
+KEPT_IDLE_S = 10.0  # a push's kept mappings are released when no request of it came for this long
 
 
 @dataclass(frozen=True)
 class PushPosition:
-    """Where a request stands in its push (torpor's headers)."""
+    """Where a request stands in its push (torpor's headers). `keep`: how many buffers the trainer cycles its
+    buckets through, so the engine keeps that many of its opened mappings until the push's `last` request (at
+    most MAX_KEPT; 0: each request's are released after its copy)."""
 
     push_id: str
     index: int
+    keep: int = 0
+    last: bool = False
 
 
 def push_position(headers: Mapping[str, str]) -> PushPosition | None:
     """The push headers of a request, None without them; ValueError (a 400) when malformed."""
     push_id, index = headers.get(PUSH_ID_HEADER), headers.get(PUSH_INDEX_HEADER)
+    keep, last = headers.get(PUSH_KEEP_HEADER, "0"), headers.get(PUSH_LAST_HEADER, "0")
     if push_id is None and index is None:
         return None
     if not push_id or len(push_id) > 128 or index is None or not index.isdigit() or len(index) > 9:
         raise ValueError(f"{PUSH_ID_HEADER} (1-128 characters) and {PUSH_INDEX_HEADER} (0, 1, ...) go together")
-    return PushPosition(push_id, int(index))
+    if not keep.isdigit() or len(keep) > 3 or last not in ("0", "1"):
+        raise ValueError(f"{PUSH_KEEP_HEADER} is a count (0-999) and {PUSH_LAST_HEADER} is 0 or 1")
+    return PushPosition(push_id, int(index), min(int(keep), MAX_KEPT), last == "1")
 
 
 @dataclass
@@ -104,9 +121,12 @@ class WeightPipeline:
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="torpor-weights-stage")
         self._pushes: OrderedDict[str, PushOrder] = OrderedDict()
         self._active = 0  # requests between their arrival and their answer
+        self._forget_timers: dict[str, asyncio.TimerHandle] = {}  # a push's kept mappings, released when idle
 
     def close(self) -> None:
         self._stager.shutdown(wait=False, cancel_futures=True)
+        for timer in self._forget_timers.values():
+            timer.cancel()
 
     async def update(self, serialized: Any, load_format: str | None, flush_cache: bool,
                      push: PushPosition | None) -> tuple[int, dict[str, float]]:
@@ -116,8 +136,14 @@ class WeightPipeline:
         self._active += 1
         try:
             return await self._update(serialized, load_format, flush_cache, push)
+        except BaseException:
+            if push is not None and push.keep:  # a failed push keeps nothing of its trainer's memory
+                self._forget(push.push_id)
+            raise
         finally:
             self._active -= 1
+            if push is not None and push.keep:
+                self._forget_when_idle(push)
 
     async def _update(self, serialized: Any, load_format: str | None, flush_cache: bool,
                       push: PushPosition | None) -> tuple[int, dict[str, float]]:
@@ -132,9 +158,9 @@ class WeightPipeline:
             await self._skip_turn(order, index)
             raise RuntimeError(refusal)
         if not self._stageable(serialized):
-            return await self._in_turn(order, index, self._unstaged, serialized, load_format, flush_cache)
+            return await self._in_turn(order, index, self._unstaged, serialized, load_format, flush_cache, push)
         staged = await self._stage(order, index, serialized, load_format)
-        count, timings = await self._in_turn(order, index, self._apply, staged, flush_cache, staged=staged)
+        count, timings = await self._in_turn(order, index, self._apply, staged, flush_cache, push, staged=staged)
         return count, _merged(staged.timings, timings)
 
     def _order(self, push: PushPosition | None) -> PushOrder | None:
@@ -144,13 +170,43 @@ class WeightPipeline:
         if order is None:
             order = self._pushes[push.push_id] = PushOrder()
             while len(self._pushes) > MAX_PUSHES:
-                self._pushes.popitem(last=False)
+                self._forget(self._pushes.popitem(last=False)[0])
         return order
 
     def _stageable(self, serialized: Any) -> bool:
         """Whether to stage this request off the engine thread: another is in flight, TP=1, one entry."""
-        return self._active > 1 and self.engine.config.tensor_parallel_size == 1 and isinstance(serialized, list) \
-            and len(serialized) == 1
+        return self._active > 1 and self._one_entry(serialized)
+
+    def _one_entry(self, serialized: Any) -> bool:
+        return self.engine.config.tensor_parallel_size == 1 and isinstance(serialized, list) and len(serialized) == 1
+
+    # ---- mappings of a trainer's memory kept through its push (PushPosition.keep) ----------------------
+    def _keep(self, receiver: weight_transfer.WeightReceiver, push: PushPosition | None, storages: dict) -> None:
+        """Engine thread, after a copy: the storages kept for the push's next requests, or, after its last
+        request, every one of the push released."""
+        if push is None or not push.keep:
+            return
+        if push.last:
+            receiver.forget(push.push_id)
+        else:
+            receiver.keep(push.push_id, storages, push.keep)
+
+    def _forget(self, push_id: str) -> None:
+        """Release a push's kept storages (on the engine thread, as every release of a trainer's memory)."""
+        timer = self._forget_timers.pop(push_id, None)
+        if timer is not None:
+            timer.cancel()
+        if self.engine.alive:
+            self.engine.submit(weight_transfer.receiver_of(self.engine.engine).forget, push_id)
+
+    def _forget_when_idle(self, push: PushPosition) -> None:
+        """A push that sends nothing for KEPT_IDLE_S (its trainer died, or gave up) keeps nothing open."""
+        timer = self._forget_timers.pop(push.push_id, None)
+        if timer is not None:
+            timer.cancel()
+        if not push.last:
+            self._forget_timers[push.push_id] = asyncio.get_running_loop().call_later(
+                KEPT_IDLE_S, self._forget, push.push_id)
 
     async def _stage(self, order: PushOrder | None, index: int, serialized: list[str],
                      load_format: str | None) -> weight_transfer.StagedUpdate:
@@ -203,23 +259,40 @@ class WeightPipeline:
             self.engine.submit(receiver.discard_staged, future.result())
 
     def _apply(self, order: PushOrder | None, index: int, staged: weight_transfer.StagedUpdate,
-               flush_cache: bool) -> int:
+               flush_cache: bool, push: PushPosition | None) -> int:
         """Engine thread: the staged copy, unless an earlier request of its push failed."""
         receiver = weight_transfer.receiver_of(self.engine.engine)
         refusal = order.refusal(index) if order is not None else None
         if refusal is not None:
             receiver.discard_staged(staged)
             raise RuntimeError(refusal)
-        return _failing(order, index, receiver.apply_staged, staged, flush_cache)
+        storages = weight_transfer.storages_of(staged.pairs) if push is not None and push.keep else {}
+        count = _failing(order, index, receiver.apply_staged, staged, flush_cache)
+        self._keep(receiver, push, storages)
+        return count
 
     def _unstaged(self, order: PushOrder | None, index: int, serialized: Any, load_format: str | None,
-                  flush_cache: bool) -> int:
-        """Engine thread: the whole request there (tensor parallel; malformed entries get their error)."""
+                  flush_cache: bool, push: PushPosition | None) -> int:
+        """Engine thread: the whole request there (none other in flight; tensor parallel; malformed entries get
+        their error)."""
         refusal = order.refusal(index) if order is not None else None
         if refusal is not None:
             raise RuntimeError(refusal)
-        return _failing(order, index, weight_transfer.update_weights_from_tensor, self.engine.engine, serialized,
-                        load_format, flush_cache)
+        if push is None or not push.keep or not self._one_entry(serialized):
+            return _failing(order, index, weight_transfer.update_weights_from_tensor, self.engine.engine,
+                            serialized, load_format, flush_cache)
+        receiver = weight_transfer.receiver_of(self.engine.engine)
+        storages: dict = {}
+
+        def update() -> int:  # update_weights_from_tensor's path for one entry at TP=1, the storages noted
+            receiver.check_weights_awake("update_weights_from_tensor")  # before any handle is opened
+            pairs = receiver.decode(serialized, load_format)
+            storages.update(weight_transfer.storages_of(pairs))
+            return receiver.apply(pairs, flush_cache)
+
+        count = _failing(order, index, update)
+        self._keep(receiver, push, storages)
+        return count
 
 
 def _failing(order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any) -> int:
