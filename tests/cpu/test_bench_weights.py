@@ -29,6 +29,7 @@ def test_bench_weights_on_cpu(tmp_path, tiny_model_path):
         assert {"engine", "other", "idle", "handler", "push", "copy"} <= set(figures["push_phases_ms_per_request"])
         trainer = figures["trainer_ms_per_request"]  # this process's side: where the idle time goes
         assert set(trainer) == {"bucket", "sync", "serialize", "wait"} and trainer["bucket"] > 0 < trainer["wait"]
+    assert serve["own_buckets"]["push_s"] > 0 and "buckets of their own" in result.stdout  # beside the ring's
     assert "1 in flight" in result.stdout and "2 in flight" in result.stdout
     assert results["in_process"]["update_weights_s"] > 0
     assert "RL step: sleep L2" in result.stdout

@@ -115,8 +115,9 @@ def wait_for_host_reservation(engine, timeout: float = 600.0) -> float:
 
 def bench_serve(model: str, device: str, tensors, args) -> dict:
     """The engine as a `torpor serve` process on the same device; this process pushes, with each in-flight
-    depth of `--in-flight` in turn (alternated, so drifting load hits every depth alike)."""
-    from torpor.rl import WeightPusher
+    depth of `--in-flight` in turn (alternated, so drifting load hits every depth alike), and at the headline depth
+    also with buckets of their own (`push_buckets`: no reused buffers, each request's memory mapped anew)."""
+    from torpor.rl import WeightPusher, bucket_named_tensors
     from torpor.rl.engine_process import EngineProcess
 
     depths = _depths(args)
@@ -131,9 +132,11 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         for p in pushers.values():
             p.push(tensors)  # warm-up (first IPC opens, code paths)
         pushes: dict[int, list] = {d: [] for d in depths}
+        own: list = []
         for _ in range(args.repeat):
             for d, p in pushers.items():
                 pushes[d].append(p.push(tensors))
+            own.append(pusher.push_buckets(bucket_named_tensors(tensors, _bucket_bytes(args))))
         one_request = WeightPusher(engine.url, engine.admin_token, bucket_bytes=_bucket_bytes(args),
                                    buckets_per_request=1 << 20)  # every bucket in one request (torpor's extension)
         one_request.push(tensors)
@@ -156,7 +159,7 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
     result = {**main, "in_flight": headline, "by_in_flight": by_depth, "host_reservation_wait_s": waited,
               "rl_step": {k: _median([s[k] for s in steps]) for k in steps[0]},
               "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle,
-              "push_one_request_s": _median(single)}
+              "push_one_request_s": _median(single), "own_buckets": _push_figures(own)}
     for d, figures in by_depth.items():
         print(f"serve push, {d} in flight: {figures['push_s']:.4f} s ({figures['push_gbps']:.1f} GB/s, "
               f"{figures['buckets']} buckets, {figures['staged']:g} of {figures['requests']} requests staged off the "
@@ -165,6 +168,9 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         trainer = figures["trainer_ms_per_request"]
         print(f"serve push, {d} in flight, the trainer per request (ms): "
               + " + ".join(f"{name} {ms:.3f}" for name, ms in trainer.items()))
+    figures = result["own_buckets"]
+    print(f"serve push, {headline} in flight, buckets of their own (no reused buffers): {figures['push_s']:.4f} s; "
+          f"per request: {format_phases(figures['push_phases_ms_per_request'])}")
     print(f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
     return result
@@ -366,6 +372,8 @@ def print_summary(results: dict) -> None:
     for depth, figures in serve["by_in_flight"].items():
         print(f"push, {figures['requests']} requests, {depth} in flight ({figures['staged']:g} staged): "
               f"{figures['push_s']:.4f} s; per request (ms): {format_phases(figures['push_phases_ms_per_request'])}")
+    print(f"push, {serve['in_flight']} in flight, buckets of their own (each request's memory mapped anew): "
+          f"{serve['own_buckets']['push_s']:.4f} s")
     print(f"push, every bucket in one request {serve['push_one_request_s']:.4f} s  "
           f"{results['bytes'] / serve['push_one_request_s'] / GB:.1f} GB/s")
     print(f"(waited {serve['host_reservation_wait_s']:.2f} s for the engine's host-copy reservation before timing)")
