@@ -192,6 +192,10 @@ class WeightPusher:
                                      keep=ring.slots)
         finally:
             ring.close()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                # A buffer grown mid-push went while the engine still held it: torch parks such blocks until
+                # their IPC counters drop (they have, by the last answer) and a collect frees them.
+                torch.cuda.ipc_collect()
 
     def push_buckets(self, buckets: Iterable[Bucket], flush_cache: bool = True, keep: int = 0) -> PushReport:
         """Every bucket, `buckets_per_request` buckets per request (SGLang's form: 1; more: fewer round trips,
