@@ -93,7 +93,7 @@ BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
                       bytecode_cache: bool = True, overlap_load: bool = True, cold_cache: bool = False,
-                      load_threads: int = 0, capture_warmups: str = "every", profile_top: int = 0) -> dict:
+                      capture_warmups: str = "every", profile_top: int = 0) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
@@ -103,10 +103,9 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     the graph capture: the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and
     `weight_load_beside_s` the load's own seconds; without, `weight_load` comes first. `cold_cache`: the
     checkpoint's pages dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs).
-    `load_threads`: TORPOR_LOAD_THREADS (0: the loader's own choice). `capture_warmups`: TORPOR_CAPTURE_WARMUPS
-    ("first": only the largest graph size warmed up before its capture). `profile_top`: the engine's start-up also
-    runs under cProfile, and `profile` holds the functions with the most time of their own (the first N of pstats'
-    table, by tottime)."""
+    `capture_warmups`: TORPOR_CAPTURE_WARMUPS ("first": only the largest graph size warmed up before its capture).
+    `profile_top`: the engine's start-up also runs under cProfile, and `profile` holds the functions with the most
+    time of their own (the first N of pstats' table, by tottime)."""
     import os
     import subprocess
 
@@ -128,8 +127,7 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
         drop_page_cache(checkpoint_files(model))
     start = time.time()  # the child reports when its first token came: its exit is not start-up
     env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0",
-               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0", TORPOR_LOAD_THREADS=str(load_threads),
-               TORPOR_CAPTURE_WARMUPS=capture_warmups)
+               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0", TORPOR_CAPTURE_WARMUPS=capture_warmups)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     if "READY" not in out.stdout:
         raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")

@@ -275,13 +275,13 @@ def check_sources(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Se
 class _SourcePlan:
     param_name: str
     shard_id: object
-    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    copies: tuple[PlannedCopy, ...]
 
 
-# (name, shape, dtype) -> (parameter name, shard id, [(destination view of the real parameter, source meta
-# view)]), per model: what the meta dry run of that source found. It depends only on the source's name, shape and
-# dtype and on the model's fixed structure (`parameters_of`), so each runs once per model; a trainer pushing in
-# buckets pays it once per tensor per engine, not once per push, and its copies skip the weight loaders.
+# (name, shape, dtype) -> (parameter name, shard id, its planned copies), per model: what the meta dry run of that
+# source found. It depends only on the source's name, shape and dtype and on the model's fixed structure
+# (`parameters_of`), so each runs once per model; a trainer pushing in buckets pays it once per tensor per engine,
+# not once per push, and its copies skip the weight loaders.
 _plans: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, tuple[int, ...], torch.dtype], _SourcePlan]] = \
     weakref.WeakKeyDictionary()
 
@@ -300,7 +300,7 @@ def _plan(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[i
             continue
         plan = _source_plan(model, name, tuple(int(d) for d in shape), dtype)
         if want_copies:
-            copies.extend(PlannedCopy(name, dst, src) for dst, src in plan.copies)
+            copies.extend(plan.copies)
         loaded.add((plan.param_name, plan.shard_id))
     if strict:
         _check_complete(parameters_of(model), loaded, getattr(model, "packed_modules_mapping", {}))
@@ -319,8 +319,9 @@ def _source_plan(model: nn.Module, name: str, shape: tuple[int, ...], dtype: tor
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[param_name]
         stand_in = torch.empty_like(param, device="meta")
-        copies = tuple((param.data.as_strided(dst.shape, dst.stride(), param.storage_offset() + dst.storage_offset()),
-                        src) for dst, src in _dry_run(param, stand_in, name, shape, dtype, shard_id))
+        copies = tuple(PlannedCopy(name, param.data.as_strided(dst.shape, dst.stride(),
+                                                               param.storage_offset() + dst.storage_offset()), src)
+                       for dst, src in _dry_run(param, stand_in, name, shape, dtype, shard_id))
         plan = plans[key] = _SourcePlan(param_name, shard_id, copies)
     return plan
 
@@ -339,8 +340,8 @@ def copy_checked(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tens
             if plan.copies and not tensor.is_contiguous():  # the source views assume the checkpoint's layout
                 tensor = tensor.contiguous()
             base = tensor.storage_offset()
-            for dst, src in plan.copies:
-                dst.copy_(tensor.as_strided(src.shape, src.stride(), base + src.storage_offset()))
+            for c in plan.copies:
+                c.dst.copy_(tensor.as_strided(c.src.shape, c.src.stride(), base + c.src.storage_offset()))
             loaded.add((plan.param_name, plan.shard_id))
     return len(loaded)
 

@@ -6,8 +6,8 @@ buffer lands where sleep mode expects it:
 
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model (parameters and the RoPE table)
-    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters (with
-                 on a thread of its own beside the phases below, unless TORPOR_OVERLAP_LOAD=0: background_load.py)
+    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters, on a thread of
+                 its own beside the two phases below unless TORPOR_OVERLAP_LOAD=0 (background_load.py)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache

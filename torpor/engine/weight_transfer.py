@@ -583,9 +583,10 @@ class WeightReceiver:
         # memory (`held`): no IPC handle is opened during a context checkpoint or restore.
         self.gate = threading.Lock()
         self._staged: list[StagedUpdate] = []  # opened, waiting for their copy (dropped by a sleep)
-        # Storages of a trainer's memory kept open through a push whose trainer reuses its buffers (`keep`), by
-        # push id, the most recently used last; a sleep releases them all, as it drops the staged updates.
+        # Storages of a trainer's memory kept open through a push whose trainer reuses its buffers (`keeping`),
+        # by push id, the most recently used last; a sleep releases them all, as it drops the staged updates.
         self._kept: dict[str, OrderedDict[tuple, torch.UntypedStorage]] = {}
+        self._keeping: dict[tuple, torch.UntypedStorage] | None = None  # noted by `_release` inside `keeping`
         self._staged_lock = threading.Lock()
         self._stage_stream = None  # EngineStream of the staging thread (CUDA), made on the first staged request
 
@@ -619,8 +620,7 @@ class WeightReceiver:
                 self.manifest.check(named_tensors)
             return self._copy(named_tensors, flush_cache, staged=False)
         finally:
-            with phase("release"):
-                release_transfer_memory(named_tensors)
+            self._release(named_tensors)
 
     def _copy(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool, staged: bool) -> int:
         names = [name for name, _ in named_tensors]
@@ -691,8 +691,17 @@ class WeightReceiver:
                 torch.cuda.current_stream(self.engine.model_runner.device).wait_event(staged.ready)
             return self._copy(staged.pairs, flush_cache, staged=True)
         finally:
-            with phase("release"):
-                release_transfer_memory(staged.pairs)
+            self._release(staged.pairs)
+
+    def _release(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Engine thread, after a copy: the request's references to the trainer's memory go — all but the
+        storages a `keeping` block keeps for the push's next requests."""
+        with phase("release"):
+            if self._keeping is not None:
+                for _, tensor in pairs:
+                    storage = tensor.untyped_storage()
+                    self._keeping[(storage.device, storage.data_ptr())] = storage
+            release_transfer_memory(pairs)
 
     def discard_staged(self, staged: StagedUpdate) -> None:
         """Release a staged update that will not be copied (its request was refused before its turn)."""
@@ -721,12 +730,29 @@ class WeightReceiver:
         self.forget()
 
     # ---- mappings kept through a push -----------------------------------------------------------------
-    def keep(self, push_id: str, storages: dict[tuple, torch.UntypedStorage], count: int) -> None:
-        """After a request's copy: keep `storages` (from `storages_of`, taken before the release) open for the
-        push's next requests, the `count` most recently used. A trainer that flattens its buckets into the same
-        few buffers (torpor.rl.BucketRing) then has each opened once per push: torch finds an open storage by its
-        handle and maps it again only when none is alive (`rebuild_cuda_tensor`, `rebuild_storage_filename`). Its
-        new IPC event is then not waited for; the pusher synchronizes every bucket before sending it."""
+    @contextlib.contextmanager
+    def keeping(self, push_id: str, count: int, last: bool) -> Iterator[None]:
+        """Engine thread, around one request of a push whose trainer flattens its buckets into `count` buffers
+        reused in turn (torpor.rl.BucketRing): the storages the request opened stay open for the push's next
+        requests (the `count` most recently used), so each buffer is opened once per push — torch finds an open
+        storage by its handle and maps it again only when none is alive (`rebuild_cuda_tensor`,
+        `rebuild_storage_filename`); its new IPC event is then not waited for, and the pusher synchronizes every
+        bucket before sending it. After the push's `last` request, or a failed one, every storage kept for the
+        push goes."""
+        self._keeping = {}
+        try:
+            yield
+        except BaseException:
+            self._keeping = None
+            self.forget(push_id)
+            raise
+        storages, self._keeping = self._keeping, None
+        if last:
+            self.forget(push_id)
+        else:
+            self._keep(push_id, storages, count)
+
+    def _keep(self, push_id: str, storages: dict[tuple, torch.UntypedStorage], count: int) -> None:
         with self._staged_lock:
             kept = self._kept.setdefault(push_id, OrderedDict())
             for key, storage in storages.items():
@@ -850,15 +876,6 @@ def _describe(value) -> str:
     if isinstance(value, list | tuple):
         return f"a list of {len(value)}"
     return type(value).__name__
-
-
-def storages_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[tuple, torch.UntypedStorage]:
-    """The distinct storages the tensors are views of, by (device, address): what `WeightReceiver.keep` keeps."""
-    storages = {}
-    for _, tensor in named_tensors:
-        storage = tensor.untyped_storage()
-        storages[(storage.device, storage.data_ptr())] = storage
-    return storages
 
 
 def release_transfer_memory(named_tensors: list) -> None:

@@ -20,7 +20,7 @@ before (its order and failure rule still apply).
 
 A push whose trainer flattens its buckets into a few buffers reused in turn (`X-Torpor-Push-Keep: <n>`, sent by
 `WeightPusher.push` with its `torpor.rl.BucketRing`) has the storages the engine opened kept between its requests
-(`WeightReceiver.keep`, at most MAX_KEPT), so each buffer is mapped once per push; they are released after the
+(`WeightReceiver.keeping`, at most MAX_KEPT), so each buffer is mapped once per push; they are released after the
 request marked `X-Torpor-Push-Last: 1`, after the push's first failure, by a sleep of the weights, or when no
 request of the push came for KEPT_IDLE_S.
 """
@@ -175,21 +175,18 @@ class WeightPipeline:
 
     def _stageable(self, serialized: Any) -> bool:
         """Whether to stage this request off the engine thread: another is in flight, TP=1, one entry."""
-        return self._active > 1 and self._one_entry(serialized)
-
-    def _one_entry(self, serialized: Any) -> bool:
-        return self.engine.config.tensor_parallel_size == 1 and isinstance(serialized, list) and len(serialized) == 1
+        return self._active > 1 and self.engine.config.tensor_parallel_size == 1 and isinstance(serialized, list) \
+            and len(serialized) == 1
 
     # ---- mappings of a trainer's memory kept through its push (PushPosition.keep) ----------------------
-    def _keep(self, receiver: weight_transfer.WeightReceiver, push: PushPosition | None, storages: dict) -> None:
-        """Engine thread, after a copy: the storages kept for the push's next requests, or, after its last
-        request, every one of the push released."""
+    @staticmethod
+    def _keeping(receiver: weight_transfer.WeightReceiver,
+                 push: PushPosition | None) -> contextlib.AbstractContextManager:
+        """Engine thread, around a request's copy: what it opened kept for its push's next requests (its
+        trainer reuses `push.keep` buffers), none of it after the push's last request."""
         if push is None or not push.keep:
-            return
-        if push.last:
-            receiver.forget(push.push_id)
-        else:
-            receiver.keep(push.push_id, storages, push.keep)
+            return contextlib.nullcontext()
+        return receiver.keeping(push.push_id, push.keep, push.last)
 
     def _forget(self, push_id: str) -> None:
         """Release a push's kept storages (on the engine thread, as every release of a trainer's memory)."""
@@ -266,10 +263,8 @@ class WeightPipeline:
         if refusal is not None:
             receiver.discard_staged(staged)
             raise RuntimeError(refusal)
-        storages = weight_transfer.storages_of(staged.pairs) if push is not None and push.keep else {}
-        count = _failing(order, index, receiver.apply_staged, staged, flush_cache)
-        self._keep(receiver, push, storages)
-        return count
+        with self._keeping(receiver, push):
+            return _failing(order, index, receiver.apply_staged, staged, flush_cache)
 
     def _unstaged(self, order: PushOrder | None, index: int, serialized: Any, load_format: str | None,
                   flush_cache: bool, push: PushPosition | None) -> int:
@@ -278,21 +273,9 @@ class WeightPipeline:
         refusal = order.refusal(index) if order is not None else None
         if refusal is not None:
             raise RuntimeError(refusal)
-        if push is None or not push.keep or not self._one_entry(serialized):
+        with self._keeping(weight_transfer.receiver_of(self.engine.engine), push):
             return _failing(order, index, weight_transfer.update_weights_from_tensor, self.engine.engine,
                             serialized, load_format, flush_cache)
-        receiver = weight_transfer.receiver_of(self.engine.engine)
-        storages: dict = {}
-
-        def update() -> int:  # update_weights_from_tensor's path for one entry at TP=1, the storages noted
-            receiver.check_weights_awake("update_weights_from_tensor")  # before any handle is opened
-            pairs = receiver.decode(serialized, load_format)
-            storages.update(weight_transfer.storages_of(pairs))
-            return receiver.apply(pairs, flush_cache)
-
-        count = _failing(order, index, update)
-        self._keep(receiver, push, storages)
-        return count
 
 
 def _failing(order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any) -> int:
