@@ -64,9 +64,11 @@ class Env:
     # TORPOR_LOAD_THREADS: the staged loader's reader threads (0: one per core this process may use, at most one per
     # staging buffer; beside the start-up, half of those, leaving cores to the graph capture).
     load_threads: int = 0
-    # TORPOR_CAPTURE_WARMUPS=first: only the largest CUDA-graph batch size gets an eager warm-up step before its
-    # capture ("every", the default, warms every size up; engine/cuda_graphs.py). An experiment for the cold start.
-    capture_warmups: str = "every"
+    # TORPOR_CAPTURE_WARMUPS (default first): only the largest CUDA-graph batch size gets an eager warm-up step before
+    # its capture, the others' first uses happening inside their captures; "every" warms every size up
+    # (engine/cuda_graphs.py). The default since 2026-12-02's runs 24-25: the whole GPU suite passed under it, the
+    # cold start 0.4-0.7 s shorter (docs/weights.md).
+    capture_warmups: str = "first"
 
     @classmethod
     def read(cls) -> Env:
@@ -84,5 +86,5 @@ class Env:
             decode_prefixes=_choice("TORPOR_DECODE_PREFIXES", ("1", "0")) == "1",
             overlap_load=_choice("TORPOR_OVERLAP_LOAD", ("1", "0")) == "1",
             load_threads=_int("TORPOR_LOAD_THREADS", 0),
-            capture_warmups=_choice("TORPOR_CAPTURE_WARMUPS", ("every", "first")),
+            capture_warmups=_choice("TORPOR_CAPTURE_WARMUPS", ("first", "every")),
         )

@@ -35,12 +35,14 @@ def test_bench_sleep_loader_rows(tiny_model_path, tmp_path):
     assert "staged (torpor)" in result.stdout and "cold start in a new process" in result.stdout
     assert "the weights loaded beside the KV sizing" in result.stdout
     for key in ("cold_start_phases_cold_cache", "cold_start_phases_cold_cache_overlapped",  # page cache dropped
-                "cold_start_phases_one_warmup"):  # TORPOR_CAPTURE_WARMUPS=first (no graphs on CPU: no change)
+                "cold_start_phases_one_warmup", "cold_start_phases_default"):  # one warm-up (no graphs on CPU)
         assert report[key]["total_s"] > 0 and report[key]["phases"]["first_token"] > 0
     assert {"imports", "weight_load", "kv_cache_sizing"} <= report["cold_start_phases_profiling"]["phases"].keys()
     assert report["cold_start_phases"]["graph_capture"] == []  # per batch size on GPU; no graphs on CPU
-    alternated = report["cold_start_alternated"]  # loaded first, beside (the default), beside with one warm-up
+    alternated = report["cold_start_alternated"]  # the old path, beside, the default (beside with one warm-up)
     assert [len(runs) for runs in alternated.values()] == [3, 3, 3] and "alternated: median" in result.stdout
     assert "weight_load_wait" in alternated["overlapped"][-1]["phases"]
+    assert "weight_load_wait" in report["cold_start_phases_default"]["phases"]
+    assert "the default (loaded beside, one warm-up), alternated: median" in result.stdout
     profile = report["cold_start_phases_profiled"]["profile"]  # pstats' table of the start-up, by own time
     assert any("tottime" in line for line in profile) and any("{built-in method" in line for line in profile)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_weights_on_cpu(tmp_path, tiny_model_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "torpor", "bench", "weights", "--device", "cpu", "--model",
-                             tiny_model_path, "--repeat", "1", "--bucket-mb", "1", "--json", str(out)],
+                             tiny_model_path, "--repeat", "1", "--bucket-mb", "1", "--in-flight", "1,2", "--json", str(out)],
                             capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -24,6 +24,9 @@ def test_bench_weights_on_cpu(tmp_path, tiny_model_path):
     assert serve["answers_unchanged"]  # the same weights pushed back (and after the RL cycle) answer the same
     assert serve["push_s"] > 0 and serve["push_one_request_s"] > 0 and serve["reload_weights_s"] > 0
     assert set(serve["rl_step"]) == {"sleep", "wake_weights", "push", "wake_kv", "total"}
+    step_push = serve["rl_step_push"]  # the RL step's push (right after the wake) by phase, beside the others'
+    assert step_push["push_s"] == serve["rl_step"]["push"] and "copy" in step_push["push_phases_ms_per_request"]
+    assert "serve push in the RL step (right after the weights' wake)" in result.stdout
     assert set(serve["by_in_flight"]) == {"1", "2"} and serve["in_flight"] == 2  # depths side by side
     for figures in serve["by_in_flight"].values():
         assert {"engine", "other", "idle", "handler", "push", "copy"} <= set(figures["push_phases_ms_per_request"])

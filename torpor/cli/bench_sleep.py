@@ -93,7 +93,7 @@ BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited 
 
 def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
                       bytecode_cache: bool = True, overlap_load: bool = True, cold_cache: bool = False,
-                      capture_warmups: str = "every", profile_top: int = 0) -> dict:
+                      capture_warmups: str = "first", profile_top: int = 0) -> dict:
     """Seconds from launching a new Python process to its first generated token with the same engine
     options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
     as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
@@ -103,7 +103,8 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
     the graph capture: the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and
     `weight_load_beside_s` the load's own seconds; without, `weight_load` comes first. `cold_cache`: the
     checkpoint's pages dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs).
-    `capture_warmups`: TORPOR_CAPTURE_WARMUPS ("first": only the largest graph size warmed up before its capture).
+    `capture_warmups`: TORPOR_CAPTURE_WARMUPS ("first", the engine's default: only the largest graph size warmed up
+    before its capture; "every": each size, the old path).
     `profile_top`: the engine's start-up also runs under cProfile, and `profile` holds the functions with the most
     time of their own (the first N of pstats' table, by tottime)."""
     import os
@@ -541,31 +542,29 @@ def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
 
 
 def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
-    """A restart profiling its KV-sizing step (the old path, weights loaded first); then restarts reading back the
-    step it measured: loading the weights first (TORPOR_OVERLAP_LOAD=0), beside the KV sizing and the graph capture
-    (the default), and the latter with one graph warm-up (TORPOR_CAPTURE_WARMUPS=first), alternated three times each
-    (`cold_start_alternated`: the machine's noise moves them alike; the rows named as before are the first of the
-    first two); the default under cProfile (where the start-up's own time goes); loaded first with one warm-up;
-    loaded first and beside again with the checkpoint's page cache dropped first."""
-    results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False, overlap_load=False)
+    """A restart profiling its KV-sizing step (the old path: weights loaded first, every graph size warmed up);
+    then restarts reading back the step it measured: the old path (TORPOR_OVERLAP_LOAD=0,
+    TORPOR_CAPTURE_WARMUPS=every), the weights loaded beside the KV sizing and the graph capture with every size
+    warmed up, and the default (beside, one warm-up), alternated three times each (`cold_start_alternated`: the
+    machine's noise moves them alike; the rows named as before are the first of each); the default under cProfile
+    (where the start-up's own time goes); loaded first with one warm-up; the old path and the default again with the
+    checkpoint's page cache dropped first."""
+    results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False, overlap_load=False,
+                                                               capture_warmups="every")
     alternated: dict[str, list[dict]] = {"loaded_first": [], "overlapped": [], "overlapped_one_warmup": []}
     for _ in range(3):
-        alternated["loaded_first"].append(cold_start_phases(model, args, overlap_load=False))
-        alternated["overlapped"].append(cold_start_phases(model, args, overlap_load=True))
-        alternated["overlapped_one_warmup"].append(cold_start_phases(model, args, overlap_load=True,
-                                                                     capture_warmups="first"))
+        alternated["loaded_first"].append(cold_start_phases(model, args, overlap_load=False, capture_warmups="every"))
+        alternated["overlapped"].append(cold_start_phases(model, args, overlap_load=True, capture_warmups="every"))
+        alternated["overlapped_one_warmup"].append(cold_start_phases(model, args))
     results["cold_start_alternated"] = alternated
     results["cold_start_phases"] = alternated["loaded_first"][0]
     results["cold_start_phases_overlapped"] = alternated["overlapped"][0]
+    results["cold_start_phases_default"] = alternated["overlapped_one_warmup"][0]
     results["cold_start_phases_profiled"] = cold_start_phases(model, args, profile_top=30)
-    try:  # an experiment: the smaller sizes' first uses inside their captures (runs 22-23: capture 0.44-0.48 s less)
-        results["cold_start_phases_one_warmup"] = cold_start_phases(model, args, overlap_load=False,
-                                                                    capture_warmups="first")
-    except RuntimeError as e:
-        results["cold_start_phases_one_warmup"] = {"failed": str(e)[-600:]}
-    results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, overlap_load=False, cold_cache=True)
-    results["cold_start_phases_cold_cache_overlapped"] = cold_start_phases(model, args, overlap_load=True,
-                                                                           cold_cache=True)
+    results["cold_start_phases_one_warmup"] = cold_start_phases(model, args, overlap_load=False)
+    results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, overlap_load=False, cold_cache=True,
+                                                                capture_warmups="every")
+    results["cold_start_phases_cold_cache_overlapped"] = cold_start_phases(model, args, cold_cache=True)
 
 
 def run_cold_starts(model: str, args: argparse.Namespace, results: dict) -> int:
@@ -580,6 +579,11 @@ def run_cold_starts(model: str, args: argparse.Namespace, results: dict) -> int:
     return 0
 
 
+ALTERNATED_LABELS = {"loaded_first": "the old path (loaded first, every size warmed up)",
+                     "overlapped": "loaded beside, every size warmed up",
+                     "overlapped_one_warmup": "the default (loaded beside, one warm-up)"}
+
+
 def report_loader(r: dict) -> None:
     from rich.console import Console
 
@@ -589,12 +593,15 @@ def report_loader(r: dict) -> None:
     for key, label in (("cold_start_phases_profiling", "profiling its step"),
                        ("cold_start_phases", "the step's memory read back"),
                        ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
-                                                        "graph capture"),
-                       ("cold_start_phases_one_warmup", "read back, only the largest graph size warmed up"),
-                       ("cold_start_phases_profiled", "read back, under cProfile (slower: the profiler's cost)"),
+                                                        "graph capture, every size warmed up"),
+                       ("cold_start_phases_default", "read back, the default (loaded beside, one warm-up)"),
+                       ("cold_start_phases_one_warmup", "read back, loaded first, only the largest graph size "
+                                                        "warmed up"),
+                       ("cold_start_phases_profiled", "read back, the default under cProfile (slower: the "
+                                                      "profiler's cost)"),
                        ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
                        ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
-                                                                   "weights loaded beside")):
+                                                                   "default")):
         if key in r and "failed" in r[key]:
             console.print(f"cold start in a new process, {label}: failed: {r[key]['failed']}")
         elif key in r:
@@ -618,7 +625,8 @@ def report_loader(r: dict) -> None:
             totals = sorted(run["total_s"] for run in runs)
             capture = sorted(run["phases"].get("cuda_graph_capture", 0.0) for run in runs)
             median = totals[len(totals) // 2]
-            console.print(f"cold start, read back, {name.replace('_', ' ')}, alternated: median {median:.2f} s "
+            label = ALTERNATED_LABELS.get(name, name)
+            console.print(f"cold start, read back, {label}, alternated: median {median:.2f} s "
                           f"(runs {', '.join(f'{t:.2f}' for t in totals)}; graph capture median "
                           f"{capture[len(capture) // 2]:.2f} s; goal <= 4 s)")
 

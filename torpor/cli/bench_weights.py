@@ -32,8 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-mb", type=float, default=512, help="flattened bucket size (MiB; fractions allowed, "
                    "e.g. 0.25 to make the per-bucket costs of a small model visible)")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--in-flight", default="1,2", help="requests a push keeps in flight, each depth measured "
-                   "(alternated push by push); the last one also drives the RL step (default 1,2)")
+    p.add_argument("--in-flight", default="1,2,3", help="requests a push keeps in flight, each depth measured "
+                   "(alternated push by push); the pusher's default (2) or else the last drives the headline and the "
+                   "RL step (default 1,2,3)")
     p.add_argument("--distributed", action="store_true", help="also the NCCL path, trainer on the next GPU")
     p.add_argument("--skip-in-process", action="store_true", help="skip the in-process LLM comparison")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -142,11 +143,12 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
         one_request.push(tensors)
         single = [one_request.push(tensors).seconds for _ in range(args.repeat)]
         same = _greedy(engine) == before  # the same weights pushed back: the same answers
-        steps = []
+        steps, step_pushes = [], []
         for _ in range(args.repeat):
             sleep = engine.timed("/sleep", params={"level": 2})
             wake_weights = engine.timed("/wake_up", params={"tags": "weights"})
-            push = pusher.push(tensors).seconds
+            step_pushes.append(pusher.push(tensors))
+            push = step_pushes[-1].seconds
             wake_kv = engine.timed("/wake_up", params={"tags": "kv_cache"})
             steps.append({"sleep": sleep, "wake_weights": wake_weights, "push": push, "wake_kv": wake_kv,
                           "total": sleep + wake_weights + push + wake_kv})
@@ -159,7 +161,8 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
     result = {**main, "in_flight": headline, "by_in_flight": by_depth, "host_reservation_wait_s": waited,
               "rl_step": {k: _median([s[k] for s in steps]) for k in steps[0]},
               "reload_weights_s": _median(reloads), "answers_unchanged": same and after_cycle,
-              "push_one_request_s": _median(single), "own_buckets": _push_figures(own)}
+              "push_one_request_s": _median(single), "own_buckets": _push_figures(own),
+              "rl_step_push": _push_figures(step_pushes)}
     for d, figures in by_depth.items():
         print(f"serve push, {d} in flight: {figures['push_s']:.4f} s ({figures['push_gbps']:.1f} GB/s, "
               f"{figures['buckets']} buckets, {figures['staged']:g} of {figures['requests']} requests staged off the "
@@ -171,6 +174,11 @@ def bench_serve(model: str, device: str, tensors, args) -> dict:
     figures = result["own_buckets"]
     print(f"serve push, {headline} in flight, buckets of their own (no reused buffers): {figures['push_s']:.4f} s; "
           f"per request: {format_phases(figures['push_phases_ms_per_request'])}")
+    figures = result["rl_step_push"]
+    print(f"serve push in the RL step (right after the weights' wake), {headline} in flight: "
+          f"{figures['push_s']:.4f} s; "
+          f"per request: {format_phases(figures['push_phases_ms_per_request'])}; the trainer per request (ms): "
+          + " + ".join(f"{name} {ms:.3f}" for name, ms in figures["trainer_ms_per_request"].items()))
     print(f"RL step {result['rl_step']}; reload_weights {result['reload_weights_s']:.3f} s; "
           f"answers unchanged: {result['answers_unchanged']}")
     return result
