@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_weights_on_cpu(tmp_path, tiny_model_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "torpor", "bench", "weights", "--device", "cpu", "--model",
-                             tiny_model_path, "--repeat", "1", "--bucket-mb", "1", "--in-flight", "1,2", "--json", str(out)],
+                             tiny_model_path, "--repeat", "1", "--bucket-mb", "1", "--in-flight", "1,2", "--json",
+                             str(out)],
                             capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out.read_text())

@@ -22,7 +22,7 @@ import torch
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.checkpoint import make_model
-from torpor.engine.loader import iter_checkpoint
+from torpor.engine.loader import CheckpointError, iter_checkpoint
 from torpor.engine.weight_transfer import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
 from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
@@ -261,6 +261,33 @@ def test_a_second_level_2_sleep_mid_push_starts_the_count_over(tiny_model_path, 
     llm.wake_up(["weights"])
     llm.update_weights_from_tensor(second)
     assert llm.engine.sleep_mode.weights_discarded, "the first half was counted although discarded again"
+    llm.update_weights_from_tensor(first)
+    assert not llm.engine.sleep_mode.weights_discarded
+    llm.wake_up()
+    assert _answers(llm) == expected.new
+
+
+def test_a_count_left_by_a_reload_does_not_make_a_later_mix_whole(tiny_model_path, new_weights_path, expected):
+    """A push counting down after a level-2 sleep, then a reload (valid again), then a failed update's mix: the
+    old count must not let half a model make the mix whole (the count starts over whenever the weights become
+    discarded)."""
+    llm = LLM(tiny_model_path, **ENGINE)
+    named = list(iter_checkpoint(new_weights_path))
+    first, second = named[: len(named) // 2], named[len(named) // 2:]
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.update_weights_from_tensor(first)  # the second half still missing
+    llm.reload_weights()  # valid again, from the checkpoint
+    assert not llm.engine.sleep_mode.weights_discarded
+
+    def failing():
+        yield first[0]
+        yield first[1][0], torch.ones(3, 3)  # a wrong shape after one tensor was written: a mix
+
+    with pytest.raises(CheckpointError, match="failed after writing 1 tensors"):
+        llm.update_weights(failing())
+    llm.update_weights_from_tensor(second)
+    assert llm.engine.sleep_mode.weights_discarded, "the count from before the reload made the mix whole"
     llm.update_weights_from_tensor(first)
     assert not llm.engine.sleep_mode.weights_discarded
     llm.wake_up()

@@ -215,7 +215,7 @@ def phases_per_request(reports) -> dict[str, float]:
     return per
 
 
-PHASE_ORDER = ("decode", "check", "plan", "prepare", "finite", "copy", "buffers", "sync", "sentinel", "state",
+PHASE_ORDER = ("decode", "check", "plan", "prepare", "finite", "copy", "buffers", "sync", "state",
                "release", "other")
 SUMMARY = ("engine", "idle", "handler", "push", "stage")
 # Parts of "decode" (timed inside it, so not added again): the mapped files or opened IPC handles, the CUDA IPC

@@ -537,7 +537,7 @@ class LLMEngine:
         if self.model_runner.weights_valid:
             return
         if self.sleep_mode is not None:
-            self.sleep_mode.weights_discarded = True
+            self.sleep_mode.weights_mixed()
             self._sync_scheduler()
 
     def release_tags(self, tags: Iterable[str], mode: str = "wait") -> Report | None:

@@ -55,6 +55,9 @@ class SleepMode:
         self.memory = memory
         self.level: int | None = None
         self.weights_discarded = False  # zero-filled by a level-2 sleep until reloaded or updated
+        # Times the weights became discarded (a level-2 sleep, each; a failed update's mix, from valid weights): a
+        # push counting down the tensors still missing starts over when this changed meanwhile.
+        self.discards = 0
         self.context_released = False  # the CUDA context is checkpointed (level 3 or 4, until a wake)
 
     @property
@@ -111,12 +114,20 @@ class SleepMode:
             wanted |= set(SLEEP_TAGS) - DEFERRED_TAGS
         return [t for t in self.tags if t in wanted and self.memory.is_sleeping(t)]
 
+    def weights_mixed(self) -> None:
+        """A failed load or update left a mix of old and new weights: they count as discarded until a complete
+        reload or update (an update already counting down the missing tensors goes on: what it wrote stands)."""
+        if not self.weights_discarded:
+            self.weights_discarded = True
+            self.discards += 1
+
     def after_sleep(self, level: int, context_released: bool = False) -> None:
         """Record a sleep to `level` (the state afterwards: `joined_level`)."""
         self.level = self.joined_level(level, context_released)
         self.context_released = context_released
         if tag_level(self.level) == 2:
             self.weights_discarded = True
+            self.discards += 1
 
 
 def tag_level(level: int | None) -> int | None:

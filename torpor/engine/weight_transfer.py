@@ -576,9 +576,10 @@ class WeightReceiver:
         self.engine = engine
         self.manifest = Manifest.of_checkpoint(engine.config.model)
         self.missing: set[str] | None = None  # None: the weights are valid (not discarded)
-        # A parameter this receiver wrote non-zero while `missing` was counted down: zero again means another
-        # level-2 sleep discarded the weights meanwhile (they wake zero-filled), so the count starts over.
-        self.sentinel: torch.Tensor | None = None
+        # `SleepMode.discards` when `missing` was counted from the whole manifest: another level-2 sleep meanwhile
+        # zero-filled what came since, so the count starts over (a counter, not a look at the weights: no device
+        # synchronization per request).
+        self.discards_counted = 0
         # Held while a payload is opened off the engine thread (`stage`) and while a sleep or wake changes the
         # memory (`held`): no IPC handle is opened during a context checkpoint or restore.
         self.gate = threading.Lock()
@@ -789,17 +790,16 @@ class WeightReceiver:
             self.check_weights_awake("update weights")
             engine, discarded = self.engine, self.discarded
             engine.mark_weights_dirty()  # every copy writes the weights (the ranks' own "apply" does not declare it)
-            if discarded and (self.missing is None or self._discarded_again()):
+            if discarded and (self.missing is None or self.discards_counted != engine.sleep_mode.discards):
                 self.missing = {n for n in self.manifest.shapes if not _is_ignored(engine, n)}
+                self.discards_counted = engine.sleep_mode.discards
         count = copy()
         with phase("sync"):
             _synchronize_copies(engine)  # copies done before the trainer may reuse its memory
         if discarded:
             self.missing -= set(names)
-            with phase("sentinel"):
-                self.sentinel = self._pick_sentinel(names)
             if not self.missing:
-                self.missing = self.sentinel = None
+                self.missing = None
                 engine.model_runner.reset_buffers()  # discarded with the weights; the buckets left it (once here)
                 engine._weights_restored()  # every tensor came: the weights are valid, serve again
         if flush_cache and not self.discarded:
@@ -807,23 +807,6 @@ class WeightReceiver:
             if reset is not None:
                 reset()
         return count
-
-    def _discarded_again(self) -> bool:
-        return self.sentinel is not None and not bool(self.sentinel.any())
-
-    def _pick_sentinel(self, names: list[str]) -> torch.Tensor | None:
-        """A non-zero parameter (not a fused one) among those just written, or the one kept so far."""
-        if self.sentinel is not None and bool(self.sentinel.any()):
-            return self.sentinel
-        from torpor.engine.loader import parameters_of
-
-        params = parameters_of(_model(self.engine))
-        for name in names:
-            param = params.get(name)
-            if param is not None and bool(param.detach().any()):
-                return param.detach()
-        return None
-
 
 @dataclass(eq=False)
 class StagedUpdate:
