@@ -248,13 +248,19 @@ def test_level_2_push_in_buckets_serves_once_complete(tiny_model_path, new_weigh
     assert _answers(llm) == expected.new
 
 
-def test_a_second_level_2_sleep_mid_push_starts_the_count_over(tiny_model_path, new_weights_path, expected):
+def _half_pushed(tiny_model_path, new_weights_path):
+    """An engine woken from a level-2 sleep that got the first half of the new weights: (llm, first, second)."""
     llm = LLM(tiny_model_path, **ENGINE)
     named = list(iter_checkpoint(new_weights_path))
     first, second = named[: len(named) // 2], named[len(named) // 2:]
     llm.sleep(2)
     llm.wake_up(["weights"])
     llm.update_weights_from_tensor(first)
+    return llm, first, second
+
+
+def test_a_second_level_2_sleep_mid_push_starts_the_count_over(tiny_model_path, new_weights_path, expected):
+    llm, first, second = _half_pushed(tiny_model_path, new_weights_path)
     llm.wake_up()
     assert llm.engine.sleep_mode.weights_discarded  # half a model: not serving
     llm.sleep(2)  # discards the first half again
@@ -271,12 +277,7 @@ def test_a_count_left_by_a_reload_does_not_make_a_later_mix_whole(tiny_model_pat
     """A push counting down after a level-2 sleep, then a reload (valid again), then a failed update's mix: the
     old count must not let half a model make the mix whole (the count starts over whenever the weights become
     discarded)."""
-    llm = LLM(tiny_model_path, **ENGINE)
-    named = list(iter_checkpoint(new_weights_path))
-    first, second = named[: len(named) // 2], named[len(named) // 2:]
-    llm.sleep(2)
-    llm.wake_up(["weights"])
-    llm.update_weights_from_tensor(first)  # the second half still missing
+    llm, first, second = _half_pushed(tiny_model_path, new_weights_path)  # the second half still missing
     llm.reload_weights()  # valid again, from the checkpoint
     assert not llm.engine.sleep_mode.weights_discarded
 
