@@ -67,7 +67,7 @@ class Env:
     # TORPOR_CAPTURE_WARMUPS (default first): only the largest CUDA-graph batch size gets an eager warm-up step before
     # its capture, the others' first uses happening inside their captures; "every" warms every size up
     # (engine/cuda_graphs.py). The default since 2026-12-02's runs 24-25: the whole GPU suite passed under it, the
-    # cold start 0.4-0.7 s shorter (docs/weights.md).
+    # capture phase 0.2-0.5 s shorter (docs/weights.md).
     capture_warmups: str = "first"
 
     @classmethod

@@ -30,8 +30,8 @@ class CudaGraphRunner:
     "thread_local" while another thread of the process makes CUDA calls (the start-up's weight load).
     `warmups`: only the "first" (largest) size gets an eager warm-up step before its capture, the other sizes' first
     uses (Triton's specializations, the GEMM plans of their row counts) happening inside their captures — the
-    default (TORPOR_CAPTURE_WARMUPS), 0.4-0.7 s of qwen3-8b's start-up less, the graphs still bit-identical to eager;
-    or "every" size warmed up outside its capture."""
+    default (TORPOR_CAPTURE_WARMUPS; qwen3-8b's capture phase 0.2-0.5 s shorter), the graphs still bit-identical to
+    eager; or "every" size warmed up outside its capture."""
 
     def __init__(self, model: nn.Module, buffers: DecodeBuffers, batch_sizes: tuple[int, ...],
                  max_model_len: int, memory=None, capture_error_mode: str = "global", warmups: str = "first") -> None:
