@@ -11,6 +11,7 @@ torch.distributed.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from torpor.env import Env
 
+logger = logging.getLogger("torpor.engine")
 _rank, _size = 0, 1
 _device: torch.device | None = None  # this rank's device while in a group
 _exchange = None  # TensorExchange: the collectives on GPU (None on CPU and with TORPOR_TP_COMM=nccl)
@@ -110,9 +112,12 @@ def shutdown_tensor_parallel(healthy: bool = True, timeout_s: float = 60.0) -> b
     global _rank, _size, _device, _exchange
     device = _device if _device is not None and _device.type == "cuda" else None
     _rank, _size, _device = 0, 1, None
-    if _exchange is not None:  # local: a peer may be gone
-        _exchange.buffer.close()
-        _exchange = None
+    exchange, _exchange = _exchange, None
+    if exchange is not None:  # local: a peer may be gone
+        try:
+            exchange.buffer.close()
+        except Exception as e:  # the process group must still go: this process may join another
+            logger.warning("tensor parallel: releasing the exchange buffer failed: %s", e)
     if not dist.is_initialized():
         return True
     nccl = dist.get_backend() == "nccl"

@@ -2,7 +2,7 @@
 
 Every rank owns one slot of a symmetric buffer; slot r sits at the same offset in every rank's address
 space. A slot holds a flag per program, then two data areas (double buffering by the flag's parity). The
-input is cut into tiles of BLOCK elements; tile t always belongs to program t % NUM_PROGRAMS (a fixed grid,
+input is cut into tiles of TILE_BYTES; tile t always belongs to program t % NUM_PROGRAMS (a fixed grid,
 every program resident: a program never waits for one that has not started). One call, on every rank at
 once, with the same `n`; for each of its tiles, program p with epoch e = its flag + 1:
 
@@ -23,8 +23,14 @@ import triton
 import triton.language as tl
 
 SUM, GATHER, BROADCAST = 0, 1, 2
-BLOCK = 4096  # elements per tile; fixed, so a tile's region and program never change between calls
+# Bytes per tile, fixed for every dtype (a tile of BLOCK = TILE_BYTES // itemsize elements), so the bytes of a
+# tile region and the program that owns them never change between calls, whatever their dtypes.
+TILE_BYTES = 8192
 MAX_SPINS = 1 << 24
+# What the kernel reads of these: Triton compiles only constexpr globals (a plain int global is a NameError when
+# compiled for the GPU, though Triton's interpreter, which runs the CPU tests, accepts it).
+_SUM, _GATHER, _BROADCAST, _MAX_SPINS = (tl.constexpr(SUM), tl.constexpr(GATHER), tl.constexpr(BROADCAST),
+                                         tl.constexpr(MAX_SPINS))
 
 
 @triton.jit
@@ -41,7 +47,7 @@ def exchange_kernel(x_ptr, out_ptr, data_ptr, flag_ptr, n, out_row_stride, rank,
         offsets = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         area = data_offset + (epoch % 2) * area_elems
-        if OP != BROADCAST:
+        if OP != _BROADCAST:
             tl.store(data_ptr + rank * slot_elems + area + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
         elif rank == 0:  # a broadcast: only rank 0 has something to say
             tl.store(data_ptr + area + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
@@ -51,19 +57,19 @@ def exchange_kernel(x_ptr, out_ptr, data_ptr, flag_ptr, n, out_row_stride, rank,
             peer_flag = flag_ptr + r * slot_flags + pid
             seen = tl.atomic_add(peer_flag, 0, sem="acquire", scope="sys")
             spins = pid * 0
-            while (seen < epoch) & (spins < MAX_SPINS):
+            while (seen < epoch) & (spins < _MAX_SPINS):
                 seen = tl.atomic_add(peer_flag, 0, sem="acquire", scope="sys")
                 spins += 1
             if seen < epoch:
                 tl.atomic_xchg(flag_ptr + rank * slot_flags + error_index, 1)
         tl.debug_barrier()
-        if OP == SUM:
+        if OP == _SUM:
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for r in tl.static_range(SIZE):
                 part = tl.load(data_ptr + r * slot_elems + area + offsets, mask=mask, volatile=True)
                 total += part.to(tl.float32)
             tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
-        elif OP == GATHER:
+        elif OP == _GATHER:
             for r in tl.static_range(SIZE):
                 part = tl.load(data_ptr + r * slot_elems + area + offsets, mask=mask, volatile=True)
                 tl.store(out_ptr + r * out_row_stride + offsets, part, mask=mask)

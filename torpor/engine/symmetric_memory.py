@@ -100,6 +100,7 @@ class SymmetricMemory:
     def unmap(self) -> None:
         """Release every mapping and handle (the device must be idle: call after a synchronize)."""
         if self.is_mapped:
+            make_primary_context_current(self.device.index)  # the calling thread may have none current
             check("cuCtxSynchronize", self.cu.cuCtxSynchronize())
             self._release({})
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from torpor.engine.exchange_kernel import BLOCK, BROADCAST, GATHER, SUM, exchange_kernel
+from torpor.engine.exchange_kernel import BROADCAST, GATHER, SUM, TILE_BYTES, exchange_kernel
 
 FLAG_BYTES = 64 << 10          # int64 flags: one per program, the last is the error word
 MAX_PROGRAMS = FLAG_BYTES // 8 - 1
@@ -87,4 +87,4 @@ class TensorExchange:
         exchange_kernel[(self.num_programs,)](
             x, out, self.buffer.view(x.dtype), self.buffer.view(torch.int64), x.numel(), out_row_stride, self.rank,
             slot_bytes // itemsize, slot_bytes // 8, FLAG_BYTES // itemsize, self.area_bytes // itemsize,
-            MAX_PROGRAMS, SIZE=self.size, OP=op, BLOCK=BLOCK)
+            MAX_PROGRAMS, SIZE=self.size, OP=op, BLOCK=TILE_BYTES // itemsize)
