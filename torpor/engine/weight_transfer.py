@@ -954,13 +954,22 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
     """Join (or, `is_master`: host) the standalone group `group_name`. Every rank checks in on the store
     first; a rank missing after `timeout_s` → WeightTransferError, and nothing is left behind. `give_up`:
     polled while waiting; a reason it returns ends the wait at once (e.g. the engine refused to join)."""
-    import torch.distributed as dist
-
     _check_group_args(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
     backend = _backend_for(backend, device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this thread's device: NCCL's communicator and streams live there
-    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    # The communicator and its streams form on `device` (the caller's current device is given back after).
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return _open_update_group(master_address, master_port, rank, world_size, group_name, backend, device,
+                                  timedelta(seconds=timeout_s), is_master, give_up)
+
+
+def _open_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                       backend: str, device: torch.device, timeout: timedelta, is_master: bool,
+                       give_up: Callable[[], str | None] | None) -> UpdateGroup:
+    import torch.distributed as dist
+
+    timeout_s = timeout.total_seconds()
     try:
         store = dist.TCPStore(master_address, master_port, world_size, is_master, timeout=timeout,
                               wait_for_workers=False)
@@ -976,7 +985,11 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)
     handle = UpdateGroup(group_name, rank, world_size, backend, group, device)
-    broadcast(handle, torch.zeros(1, device=device))  # forms the communicator now (NCCL is lazy), checks the path
+    try:
+        broadcast(handle, torch.zeros(1, device=device))  # forms the communicator now (NCCL is lazy)
+    except BaseException:
+        destroy_group_handle(handle)  # nothing left behind
+        raise
     return handle
 
 
@@ -1066,8 +1079,8 @@ def receive_named_tensors(runner, group_name: str, names: Sequence[str], dtypes:
     specs = _specs(names, dtypes, shapes)
     received = []
     for name, dtype, shape in specs:
-        tensor = torch.empty(shape, dtype=dtype, device=group.device)
-        try:
+        try:  # an allocation that fails leaves the group out of step with the trainer, as a failed broadcast does
+            tensor = torch.empty(shape, dtype=dtype, device=group.device)
             broadcast(group, tensor)
         except Exception as e:
             destroy_update_group(runner, group_name)
