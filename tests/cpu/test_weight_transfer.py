@@ -259,18 +259,24 @@ def _half_pushed(tiny_model_path, new_weights_path):
     return llm, first, second
 
 
+def _second_half_then_whole(llm, first, second, expected, why: str) -> None:
+    """The second half alone must not make the weights valid (`why` if it does); the first half after it does,
+    and the engine answers with the new weights."""
+    llm.update_weights_from_tensor(second)
+    assert llm.engine.sleep_mode.weights_discarded, why
+    llm.update_weights_from_tensor(first)
+    assert not llm.engine.sleep_mode.weights_discarded
+    llm.wake_up()
+    assert _answers(llm) == expected.new
+
+
 def test_a_second_level_2_sleep_mid_push_starts_the_count_over(tiny_model_path, new_weights_path, expected):
     llm, first, second = _half_pushed(tiny_model_path, new_weights_path)
     llm.wake_up()
     assert llm.engine.sleep_mode.weights_discarded  # half a model: not serving
     llm.sleep(2)  # discards the first half again
     llm.wake_up(["weights"])
-    llm.update_weights_from_tensor(second)
-    assert llm.engine.sleep_mode.weights_discarded, "the first half was counted although discarded again"
-    llm.update_weights_from_tensor(first)
-    assert not llm.engine.sleep_mode.weights_discarded
-    llm.wake_up()
-    assert _answers(llm) == expected.new
+    _second_half_then_whole(llm, first, second, expected, "the first half was counted although discarded again")
 
 
 def test_a_count_left_by_a_reload_does_not_make_a_later_mix_whole(tiny_model_path, new_weights_path, expected):
@@ -287,12 +293,7 @@ def test_a_count_left_by_a_reload_does_not_make_a_later_mix_whole(tiny_model_pat
 
     with pytest.raises(CheckpointError, match="failed after writing 1 tensors"):
         llm.update_weights(failing())
-    llm.update_weights_from_tensor(second)
-    assert llm.engine.sleep_mode.weights_discarded, "the count from before the reload made the mix whole"
-    llm.update_weights_from_tensor(first)
-    assert not llm.engine.sleep_mode.weights_discarded
-    llm.wake_up()
-    assert _answers(llm) == expected.new
+    _second_half_then_whole(llm, first, second, expected, "the count from before the reload made the mix whole")
 
 
 # ---- over HTTP -------------------------------------------------------------------------------------

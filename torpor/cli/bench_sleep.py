@@ -602,9 +602,7 @@ def report_loader(r: dict) -> None:
                        ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
                        ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
                                                                    "default")):
-        if key in r and "failed" in r[key]:
-            console.print(f"cold start in a new process, {label}: failed: {r[key]['failed']}")
-        elif key in r:
+        if key in r:
             c = r[key]
             phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
             read_back = "read back" if c.get("kv_profile_read_back") else "measured"
