@@ -200,7 +200,9 @@ def shared_prefix_decode_inputs(
 # ---------------------------------------------------------------------------------------------------------
 # The sampler as it was before 2026-12-02 (a full-vocabulary int64 cumsum per draw, four host copies for
 # logprobs): the reference the new draw and logprobs must equal bit for bit (tests/cpu/test_sampler_exact.py,
-# tests/gpu/test_sampler_exact.py, scripts/bench_sampler.py). Copied verbatim; only names changed.
+# tests/gpu/test_sampler_exact.py, scripts/bench_sampler.py). Copied verbatim; only names changed. The call
+# itself is `Sampler`'s (that change left its frame alone): the old draw comes in through `_sample`, the old
+# logprobs through `_with_logprobs`.
 
 
 _PROB_SCALE = 2.0**36  # the old sampler's constants, kept here so that a change of the sampler's cannot hide
@@ -211,39 +213,18 @@ class ReferenceSampler(Sampler):
     """`Sampler` with the draw and logprobs of the old implementation (its inputs, logits processing and
     batch facts are the current ones, which that change left alone)."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [num_seqs, vocab] float32, row i for seqs[i]."""
-        num_seqs = len(seqs)
-        if logits.dim() != 2 or logits.shape[0] != num_seqs or logits.dtype != torch.float32:
-            raise ValueError(f"logits must be float32 [{num_seqs}, vocab], got "
-                             f"{logits.dtype} {list(logits.shape)}")
-        if num_seqs > self._inputs.shape[1]:
-            raise ValueError(f"{num_seqs} sequences exceed max_num_seqs ({self._inputs.shape[1]})")
-        batch = self._batch_params(seqs, logits.shape[1])
-        params = batch.params
-        raw_logits = logits  # logprobs are those of the model's own distribution
-        if batch.needs_logits_processing:
-            logits = self._process_logits(logits, seqs)
-        if batch.num_greedy == num_seqs:
-            token_ids = logits.argmax(dim=-1)                               # [num_seqs]
-        elif batch.num_greedy == 0:  # (torch.where over no greedy row would pick these unchanged)
-            token_ids = self._sample(logits, seqs, batch)
+    def _with_logprobs(self, raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: BatchParams) -> SamplerOutput:
+        """The old implementation's logprobs of each requesting row (`logprob_dicts_reference`)."""
+        logprob_rows, num_seqs = batch.logprob_rows, raw_logits.shape[0]
+        num_top = [batch.params[i].logprobs for i in logprob_rows]
+        if len(logprob_rows) == num_seqs:
+            dicts = logprob_dicts_reference(raw_logits, token_ids, num_top)
         else:
-            sampled = self._sample(logits, seqs, batch)
-            is_greedy = torch.tensor([p.is_greedy for p in params]).to(logits.device, non_blocking=True)
-            token_ids = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
-        logprob_rows = batch.logprob_rows
+            rows = torch.tensor(logprob_rows).to(raw_logits.device, non_blocking=True)
+            dicts = logprob_dicts_reference(raw_logits.index_select(0, rows), token_ids.index_select(0, rows), num_top)
         logprobs: list[TokenLogprobs | None] = [None] * num_seqs
-        if logprob_rows:
-            num_top = [params[i].logprobs for i in logprob_rows]
-            if len(logprob_rows) == num_seqs:
-                dicts = logprob_dicts_reference(raw_logits, token_ids, num_top)
-            else:
-                rows = torch.tensor(logprob_rows).to(logits.device, non_blocking=True)
-                dicts = logprob_dicts_reference(raw_logits.index_select(0, rows), token_ids.index_select(0, rows),
-                                                num_top)
-            for i, d in zip(logprob_rows, dicts, strict=True):
-                logprobs[i] = d
+        for i, d in zip(logprob_rows, dicts, strict=True):
+            logprobs[i] = d
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> torch.Tensor:

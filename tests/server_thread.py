@@ -1,5 +1,5 @@
 """`ServerThread`: a torpor server (uvicorn) on a free port of 127.0.0.1 in a daemon thread, for the HTTP
-tests on CPU and GPU."""
+tests on CPU and GPU; `wait_for` a condition; `error_of`: an OpenAI-shaped error response, checked."""
 
 import threading
 import time
@@ -34,3 +34,12 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "a condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def error_of(response, status: int) -> dict:
+    """The `error` object of a response that must have `status` and OpenAI's error shape (all four fields)."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    return body["error"]

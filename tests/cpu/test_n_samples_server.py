@@ -6,8 +6,9 @@ import json
 
 import httpx
 import pytest
+from server_thread import ServerThread, error_of
 
-from tests.cpu.test_server import ADMIN, MODEL, ServerThread, error_of, metrics
+from tests.cpu.test_server import ADMIN, MODEL, metrics
 from torpor.engine import LLM, SamplingParams
 from torpor.server import ServerConfig, build_app
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_thread import ServerThread, wait_for
+from server_thread import ServerThread, error_of, wait_for
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.tokenizer import Tokenizer
@@ -97,14 +97,6 @@ def stream_text(stream) -> tuple[str, str | None, int]:
         finish = choice.finish_reason or finish
         count += 1
     return text, finish, count
-
-
-def error_of(response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["message"]
-    return body["error"]
 
 
 # ---- inference ----------------------------------------------------------------------------------

@@ -16,13 +16,14 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
+from server_thread import ServerThread, error_of, wait_for
 
 from torpor.engine import LLM
 from torpor.server import ServerConfig, build_app
 from torpor.server.errors import json_text
 from torpor.server.responses import ChatFormat
 
-from .test_server import ENGINE, ServerThread, error_of, wait_for
+from .test_server import ENGINE
 
 ADMIN = "admin-secret"
 PROMPT = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -18,11 +18,12 @@ from schemathesis.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
+from server_thread import ServerThread  # noqa: E402
 
 from torpor.engine import LLM  # noqa: E402
 from torpor.server import ServerConfig, build_app  # noqa: E402
 
-from .test_server import ENGINE, ServerThread  # noqa: E402
+from .test_server import ENGINE  # noqa: E402
 
 ADMIN = "fuzz-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import httpx
 import huggingface_hub.constants
 import pytest
+from server_thread import ServerThread, error_of
 
-from tests.cpu.test_server import ServerThread, error_of
 from tests.cpu.test_server_cli import start_server, stop_server
 from torpor.cli import serve
 from torpor.cli.main import main

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from server_thread import ServerThread
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.checkpoint import make_model
@@ -27,8 +28,6 @@ from torpor.engine.weight_transfer import RefusedPickle, RestrictedUnpickler, na
 from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.server import ServerConfig, build_app
-
-from .test_server import ServerThread
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)

@@ -5,13 +5,8 @@ recorded there. Checked: the answers of the pushed weights bit for bit, requests
 every bucket's memory back, and a staged update that a sleep drops releases its IPC mapping unwritten."""
 
 import json
-import os
 import subprocess
-import sys
-import tempfile
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,13 +18,12 @@ pytest.importorskip("triton")
 
 import httpx  # noqa: E402
 from server_thread import ServerThread  # noqa: E402
+from trainer_process import start_trainer, stderr_of, tiny_checkpoints  # noqa: E402
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
-from torpor.engine.checkpoint import make_model  # noqa: E402
 from torpor.engine.weight_transfer import receiver_of  # noqa: E402
 from torpor.server import ServerConfig, build_app  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(max_model_len=256, max_num_seqs=8, block_size=16, num_kv_blocks=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -38,9 +32,7 @@ ADMIN = "admin-secret"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weights")
-    return {seed: str(make_model("tiny", root / f"seed{seed}", seed=seed, dtype="bfloat16", progress=False))
-            for seed in (0, 1)}
+    return tiny_checkpoints(tmp_path_factory.mktemp("weights"))
 
 
 def answers(llm) -> list:
@@ -68,17 +60,7 @@ TRAINER = """
 
 
 def _trainer(checkpoint: str, url: str, mode: str) -> subprocess.Popen:
-    err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read in the test)
-    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(TRAINER.format(admin=ADMIN)), checkpoint, url,
-                                mode], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-    process.err_file = err
-    return process
-
-
-def _stderr(process) -> str:
-    process.err_file.seek(0)
-    return process.err_file.read()
+    return start_trainer(TRAINER.format(admin=ADMIN), checkpoint, url, mode)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +80,7 @@ def test_a_push_in_flight_from_a_trainer_process(served, checkpoints):
     _, url, admin, _, want = served
     trainer = _trainer(checkpoints[1], url, "push")
     out, _ = trainer.communicate(timeout=300)
-    assert trainer.returncode == 0, _stderr(trainer)
+    assert trainer.returncode == 0, stderr_of(trainer)
     lines = out.strip().splitlines()
     report, left = json.loads(lines[0]), int(lines[1])
     assert report["requests"] > 2 and "stage" in report["phases"], report  # requests were staged off the thread
@@ -113,7 +95,7 @@ def test_a_sleep_drops_a_staged_ipc_update_and_the_trainer_gets_its_memory(serve
     trainer = _trainer(checkpoints[1], url, "hold")
     try:
         payload = trainer.stdout.readline().strip()
-        assert payload, _stderr(trainer)
+        assert payload, stderr_of(trainer)
         receiver = receiver_of(llm.engine)
         with ThreadPoolExecutor(1) as pool:  # staged on another thread, as the server's staging thread does
             staged = pool.submit(receiver.stage, [payload], "flattened_bucket").result(60)

@@ -2,13 +2,7 @@
 new weights, bit for bit; the trainer's memory is released by the engine after the copy), and with 2 GPUs
 the NCCL update group (trainer on GPU 1, engine on GPU 0)."""
 
-import os
-import subprocess
-import sys
-import tempfile
-import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +12,10 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from torpor.engine import LLM, SamplingParams  # noqa: E402
-from torpor.engine.checkpoint import make_model  # noqa: E402
+from trainer_process import start_trainer, stderr_of, tiny_checkpoints  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+from torpor.engine import LLM, SamplingParams  # noqa: E402
+
 ENGINE = dict(max_model_len=256, max_num_seqs=8, block_size=16, num_kv_blocks=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -29,27 +23,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weights")
-    return {seed: str(make_model("tiny", root / f"seed{seed}", seed=seed, dtype="bfloat16", progress=False))
-            for seed in (0, 1)}
+    return tiny_checkpoints(tmp_path_factory.mktemp("weights"))
 
 
 def answers(llm) -> list:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, GREEDY)]
-
-
-def _trainer(code: str, *args: str) -> subprocess.Popen:
-    err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read in the test)
-    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], text=True,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-    process.err_file = err
-    return process
-
-
-def _stderr(process) -> str:
-    process.err_file.seek(0)
-    return process.err_file.read()
 
 
 IPC_TRAINER = """
@@ -77,11 +55,11 @@ def test_ipc_buckets_from_another_process(checkpoints):
     del reference
     llm = LLM(checkpoints[0], device="cuda", **ENGINE)
     assert answers(llm) != want
-    trainer = _trainer(IPC_TRAINER, checkpoints[1])
+    trainer = start_trainer(IPC_TRAINER, checkpoints[1])
     try:
         count = int(trainer.stdout.readline())
         payloads = [trainer.stdout.readline().strip() for _ in range(count)]
-        assert count > 1 and all(payloads), _stderr(trainer)
+        assert count > 1 and all(payloads), stderr_of(trainer)
         llm.sleep(2)
         llm.wake_up(["weights"])
         for payload in payloads:
@@ -127,7 +105,7 @@ def test_nccl_update_group_across_gpus(checkpoints):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    trainer = _trainer(GROUP_TRAINER, checkpoints[1], str(port))
+    trainer = start_trainer(GROUP_TRAINER, checkpoints[1], str(port))
     try:
         llm.init_weights_update_group("127.0.0.1", port, 1, 2, "test", "nccl", timeout=120)
         named = list(iter_checkpoint(checkpoints[1]))
@@ -138,7 +116,7 @@ def test_nccl_update_group_across_gpus(checkpoints):
         trainer.stdin.write("go\n")
         trainer.stdin.flush()
         receive.join(120)
-        assert trainer.stdout.readline().strip() == "sent", _stderr(trainer)
+        assert trainer.stdout.readline().strip() == "sent", stderr_of(trainer)
         assert result.get("count", 0) > 0
         llm.destroy_weights_update_group("test")
     finally:

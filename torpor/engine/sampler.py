@@ -175,19 +175,24 @@ class Sampler:
             sampled = self._sample(logits, seqs, batch)
             is_greedy = torch.tensor([p.is_greedy for p in params]).to(logits.device, non_blocking=True)
             token_ids = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
-        logprob_rows = batch.logprob_rows
-        logprobs: list[TokenLogprobs | None] = [None] * num_seqs
-        if not logprob_rows:
-            return SamplerOutput(token_ids.tolist(), logprobs)
-        num_top = [params[i].logprobs for i in logprob_rows]
+        if not batch.logprob_rows:
+            return SamplerOutput(token_ids.tolist(), [None] * num_seqs)
+        return self._with_logprobs(raw_logits, token_ids, batch)
+
+    def _with_logprobs(self, raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: BatchParams) -> SamplerOutput:
+        """The step's output with each requesting row's logprobs (of the model's own distribution: `raw_logits`
+        [num_seqs, vocab], before any logits processing); token_ids: [num_seqs], the tokens picked."""
+        logprob_rows, num_seqs = batch.logprob_rows, raw_logits.shape[0]
+        num_top = [batch.params[i].logprobs for i in logprob_rows]
         if len(logprob_rows) == num_seqs:
             values = _logprob_values(raw_logits, token_ids, max(num_top))
         else:
-            rows = torch.tensor(logprob_rows).to(logits.device, non_blocking=True)
+            rows = torch.tensor(logprob_rows).to(raw_logits.device, non_blocking=True)
             values = _logprob_values(raw_logits.index_select(0, rows), token_ids.index_select(0, rows), max(num_top))
         host_ids, *host_values = _to_host([token_ids, *values])  # the step's one device -> host copy
         token_list = host_ids.tolist()
         chosen_ids = token_list if len(logprob_rows) == num_seqs else [token_list[i] for i in logprob_rows]
+        logprobs: list[TokenLogprobs | None] = [None] * num_seqs
         for i, d in zip(logprob_rows, _build_dicts(chosen_ids, host_values, num_top), strict=True):
             logprobs[i] = d
         return SamplerOutput(token_list, logprobs)
