@@ -79,8 +79,16 @@ def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.
         if rank == 0:
             store.set("torpor/group_key", f"{os.getpid()}-{secrets.token_hex(4)}")
         key = store.get("torpor/group_key").decode()
-        _exchange = TensorExchange(SymmetricMemory(rank, size, device, key, dist.barrier,
+        _exchange = TensorExchange(SymmetricMemory(rank, size, device, key, all_ranks_ok,
                                                    timeout_s=min(60.0, timeout_s)))
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """A collective of the whole group: True if every rank passed ok=True (a barrier that also tells each rank
+    whether the others succeeded). Over the default group on the CPU (gloo under `TORPOR_TP_COMM=torpor`)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def release_exchange() -> None:

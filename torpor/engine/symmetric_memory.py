@@ -6,7 +6,9 @@ between the ranks over abstract Unix sockets (SCM_RIGHTS; only to processes of t
 carry the group's key and a generation, so every `map()` is a fresh exchange. `unmap()` releases every
 mapping and handle (a slot's memory goes back to its device once every rank released it); `map()` creates
 and maps new memory at the same addresses, zero-filled, and returns once every rank has done so, so kernels
-captured in CUDA graphs on these addresses stay valid across a sleep.
+captured in CUDA graphs on these addresses stay valid across a sleep. Every rank ends a `map()` in the same
+agreement, failed or not: a rank that could not map its part says so there, and every rank then releases
+what it mapped and raises, at once (a barrier would keep the others waiting until the group's timeout).
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from torpor.memory.cuda_driver import check, driver, make_primary_context_curren
 
 
 class SymmetricMemory:
-    def __init__(self, rank: int, size: int, device: torch.device, group_key: str, barrier,
+    def __init__(self, rank: int, size: int, device: torch.device, group_key: str, agree,
                  slot_bytes: int = 8 << 20, timeout_s: float = 60.0) -> None:
-        """`barrier()`: waits for every rank (the process group's). Maps the memory (a collective)."""
+        """`agree(ok) -> bool`: a collective of every rank, True if every rank passed ok=True (the process
+        group's, `distributed.all_ranks_ok`). Maps the memory (a collective)."""
         cu = driver()
         make_primary_context_current(device.index)  # under gloo nothing may have touched the device yet
         self.cu, self.rank, self.size, self.device = cu, rank, size, device
-        self.group_key, self.barrier, self.timeout_s = group_key, barrier, timeout_s
+        self.group_key, self.agree, self.timeout_s = group_key, agree, timeout_s
         fd_type = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         self.fd_type = fd_type
         prop = cu.CUmemAllocationProp()
@@ -66,9 +69,29 @@ class SymmetricMemory:
         return self._bytes.view(dtype)
 
     def map(self) -> None:
-        """New memory for this rank's slot, every peer's slot mapped: a collective (every rank calls it)."""
+        """New memory for this rank's slot, every peer's slot mapped: a collective (every rank calls it). It
+        raises on every rank if any rank failed (each releases what it had mapped)."""
         if self.is_mapped:
             return
+        try:
+            self._map_slots()
+        except Exception:  # the others must hear of it now, not at the group's timeout
+            with contextlib.suppress(Exception):  # (a peer gone too: this rank's own error says more)
+                self.agree(False)
+            raise
+        try:  # every slot is zeroed before any rank's kernel reads a peer's flags
+            everyone_mapped = self.agree(True)
+        except BaseException:
+            self._release({})
+            raise
+        if not everyone_mapped:
+            self._release({})
+            raise RuntimeError("another tensor-parallel rank failed to map its part of the exchange buffer "
+                               "(its own error says why)")
+
+    def _map_slots(self) -> None:
+        """This rank's part of `map`: its slot created, exported and zeroed, every peer's imported, all mapped
+        (on failure, what was made is released)."""
         make_primary_context_current(self.device.index)
         cu, self._generation = self.cu, self._generation + 1
         own = check("cuMemCreate", cu.cuMemCreate(self.slot_bytes, self.prop, 0))
@@ -92,7 +115,6 @@ class SymmetricMemory:
             own_slot = self.base + self.rank * self.slot_bytes
             check("cuMemsetD8", cu.cuMemsetD8(own_slot, 0, self.slot_bytes))
             check("cuCtxSynchronize", cu.cuCtxSynchronize())
-            self.barrier()  # every slot is zeroed before any rank's kernel reads a peer's flags
         except BaseException:
             self._release(handles)
             raise
@@ -143,7 +165,8 @@ class SymmetricMemory:
 
     def _serve(self, server: socket.socket, fd: int, deadline: float, errors: list) -> None:
         try:
-            for _ in range(self.size - 1):
+            served = 0
+            while served < self.size - 1:  # a connection of another user is turned away without using a turn
                 server.settimeout(max(0.001, deadline - time.monotonic()))
                 conn, _ = server.accept()
                 with conn:
@@ -152,6 +175,7 @@ class SymmetricMemory:
                     if uid != os.getuid():
                         continue  # only the engine's own ranks (same user) get the descriptor
                     socket.send_fds(conn, [struct.pack("i", self.rank)], [fd])
+                    served += 1
         except BaseException as e:
             errors.append(e)
 
