@@ -24,7 +24,13 @@ from server_thread import ServerThread
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import CheckpointError, iter_checkpoint
-from torpor.engine.weight_transfer import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
+from torpor.engine.weight_transfer import (
+    RefusedPickle,
+    RestrictedUnpickler,
+    await_work,
+    named_tensors_of,
+    unpickle_payload,
+)
 from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.server import ServerConfig, build_app
@@ -728,3 +734,51 @@ def test_a_payload_whose_memory_is_gone_is_a_clear_error(tiny_model_path, new_we
     with pytest.raises(ValueError, match=r"does not exist \(the trainer freed it, or died\)"):
         llm.update_weights_from_tensor(serialized_named_tensors=[payload])
     assert _answers(llm) == expected.old
+
+
+def _gloo_pair() -> dict:
+    """Ranks 0 (the trainer) and 1 (the engine) of one gloo group, both in this process."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    groups = {}
+
+    def join(rank: int) -> None:
+        store = host if rank == 0 else dist.TCPStore("127.0.0.1", host.port, 2, False, timeout=timedelta(seconds=20))
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("pair/", store), rank, 2, timedelta(seconds=60))
+
+    joining = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for t in joining:
+        t.start()
+    for t in joining:
+        t.join(30)
+    return groups
+
+
+def test_waiting_for_broadcasts_is_bounded_and_reports_a_trainer_gone():
+    """`await_work`, what an NCCL receive waits with instead of a CUDA synchronize (which would wait forever for a
+    trainer that died mid-broadcast), over real gloo works: the trainer late, then in time, then gone."""
+    import torch.distributed as dist
+
+    groups = _gloo_pair()
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    received = torch.zeros(4)
+    work = groups[1].broadcast([received], options)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not complete within 0\.5 s"):
+        await_work(work, 0.5)
+    assert 0.5 <= time.monotonic() - start < 5
+    sent = groups[0].broadcast([torch.arange(4.0)], options)
+    await_work(work, 30)  # the late broadcast arrives: the same work completes
+    assert received.tolist() == [0.0, 1.0, 2.0, 3.0]
+    sent.wait()
+    pending = groups[1].broadcast([torch.zeros(4)], options)
+    del groups[0], sent  # the trainer's end closes: its sockets go
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the broadcast failed"):
+        await_work(pending, 30)
+    assert time.monotonic() - start < 10  # at once, not at the timeout

@@ -84,17 +84,27 @@ GROUP_TRAINER = """
     group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 2, "test", "nccl", torch.device("cuda:1"),
                               is_master=True)
     sys.stdin.readline()  # the engine asks for the tensors
-    for _, t in named:
+    count = len(named) if sys.argv[3] == "all" else int(sys.argv[3])
+    for _, t in named[:count]:
         broadcast(group, t)
     torch.cuda.synchronize()
     print("sent", flush=True)
+    if count < len(named):  # a trainer that dies mid-update: no clean-up, no goodbye
+        import os
+        os._exit(1)
 """
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_update_group_across_gpus(checkpoints):
-    import socket
-
     from torpor.engine.loader import iter_checkpoint
 
     reference = LLM(checkpoints[1], device="cuda:0", **ENGINE)
@@ -102,10 +112,8 @@ def test_nccl_update_group_across_gpus(checkpoints):
     reference.close()
     del reference
     llm = LLM(checkpoints[0], device="cuda:0", **ENGINE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    trainer = start_trainer(GROUP_TRAINER, checkpoints[1], str(port))
+    port = _free_port()
+    trainer = start_trainer(GROUP_TRAINER, checkpoints[1], str(port), "all")
     try:
         llm.init_weights_update_group("127.0.0.1", port, 1, 2, "test", "nccl", timeout=120)
         named = list(iter_checkpoint(checkpoints[1]))
@@ -123,3 +131,35 @@ def test_nccl_update_group_across_gpus(checkpoints):
         trainer.stdin.close()
         trainer.wait(120)
     assert answers(llm) == want
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_trainer_dying_mid_nccl_update_leaves_the_engine_serving(checkpoints):
+    """The trainer broadcasts half the tensors and exits: the receive gives up at the group's timeout (it polls the
+    last broadcast instead of a CUDA synchronize), aborts the communicator, and raises; the engine process lives
+    on (the update group's watchdog only cleans up) and answers with its previous weights, bit for bit."""
+    import time
+
+    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weight_transfer import WeightTransferError
+
+    llm = LLM(checkpoints[0], device="cuda:0", **ENGINE)
+    before = answers(llm)
+    port = _free_port()
+    named = list(iter_checkpoint(checkpoints[1]))
+    trainer = start_trainer(GROUP_TRAINER, checkpoints[1], str(port), str(len(named) // 2))
+    try:
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, "test", "nccl", timeout=20)
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        start = time.monotonic()
+        with pytest.raises(WeightTransferError, match="the previous weights stay"):
+            llm.update_weights_from_distributed([n for n, _ in named], ["bfloat16"] * len(named),
+                                                [list(t.shape) for _, t in named], "test")
+        waited = time.monotonic() - start
+    finally:
+        trainer.stdin.close()
+        trainer.wait(120)
+    assert trainer.returncode == 1, stderr_of(trainer)
+    assert waited < 45, f"the receive waited {waited:.0f} s for a trainer gone (timeout 20 s)"
+    assert answers(llm) == before  # nothing was written

@@ -934,6 +934,7 @@ class UpdateGroup:
     backend: str
     group: object  # ProcessGroupGloo / ProcessGroupNCCL
     device: torch.device
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S  # how long a receive waits for the trainer's broadcasts
 
 
 _groups_lock = threading.Lock()  # every runner's groups (a server joins off the engine thread at TP=1)
@@ -981,16 +982,41 @@ def _open_update_group(master_address: str, master_port: int, rank: int, world_s
     if backend == "gloo":
         group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     else:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
-    handle = UpdateGroup(group_name, rank, world_size, backend, group, device)
+        group = _nccl_group(store, rank, world_size, timeout)
+    handle = UpdateGroup(group_name, rank, world_size, backend, group, device, timeout_s)
     try:
         broadcast(handle, torch.zeros(1, device=device))  # forms the communicator now (NCCL is lazy)
     except BaseException:
         destroy_group_handle(handle)  # nothing left behind
         raise
     return handle
+
+
+# A receive gives up on the trainer at the group's timeout and aborts the communicator itself; NCCL's watchdog,
+# which acts at its own timeout, gets this much longer, so the receive's error (and its roll-back) comes first.
+_WATCHDOG_MARGIN = timedelta(seconds=30)
+_nccl_env_lock = threading.Lock()
+
+
+def _nccl_group(store, rank: int, world_size: int, timeout: timedelta):
+    """A ProcessGroupNCCL whose watchdog, on an error or at its timeout, aborts the communicator and leaves the
+    process alive (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, "clean up only", read by the constructor). PyTorch's default
+    (3) ends the process: a trainer that died mid-update would take the serving engine with it."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout + _WATCHDOG_MARGIN
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    with _nccl_env_lock:  # the variable is the process's: set only while this group is made
+        before = os.environ.get(name)
+        os.environ[name] = "2"
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
 
 
 def _rendezvous(store, rank: int, world_size: int, group_name: str, timeout_s: float,
@@ -1036,13 +1062,38 @@ def _backend_for(backend: str | None, device: torch.device) -> str:
 
 
 def broadcast(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
-    """Rank 0's `tensor` into everyone's, in place (blocks until done, or the group's timeout)."""
+    """Rank 0's `tensor` into everyone's, in place. gloo: blocks until done (or the group's timeout); NCCL: the
+    current stream waits for it (`await_work` waits for it on the host, within a timeout)."""
+    _start_broadcast(group, tensor)
+    return tensor
+
+
+def _start_broadcast(group: UpdateGroup, tensor: torch.Tensor):
+    """`broadcast`, returning its work (what `await_work` waits for)."""
     import torch.distributed as dist
 
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.group.broadcast([tensor], options).wait()
-    return tensor
+    work = group.group.broadcast([tensor], options)
+    work.wait()
+    return work
+
+
+def await_work(last, timeout_s: float, poll_s: float = 1e-4) -> None:
+    """Wait on the host until the collectives up to `last` (a process-group work; NCCL's run in order on the
+    group's stream) are done, for at most `timeout_s`: a CUDA synchronize would wait forever for a trainer that
+    died mid-broadcast. Raises TimeoutError at the deadline (the caller destroys the group: its abort ends the
+    kernels still waiting), or the work's error if it ended in one."""
+    deadline = time.monotonic() + timeout_s
+    while not last.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer's broadcasts did not complete within {timeout_s:g} s")
+        time.sleep(poll_s)
+    # Set when NCCL reported an error or the watchdog aborted the communicator (PyTorch calls the API deprecated and
+    # says so once per process on stderr; a completed NCCL work has no other way to tell failure from success).
+    error = last.exception()
+    if error is not None:
+        raise RuntimeError(f"the broadcast failed: {error}")
 
 
 def init_weights_update_group(engine, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -1077,19 +1128,29 @@ def receive_named_tensors(runner, group_name: str, names: Sequence[str], dtypes:
     and raises WeightTransferError. Nothing is written to the model here."""
     group = _group(runner, group_name)
     specs = _specs(names, dtypes, shapes)
-    received = []
+    received, last = [], None
     for name, dtype, shape in specs:
         try:  # an allocation that fails leaves the group out of step with the trainer, as a failed broadcast does
             tensor = torch.empty(shape, dtype=dtype, device=group.device)
-            broadcast(group, tensor)
+            last = _start_broadcast(group, tensor)
         except Exception as e:
-            destroy_update_group(runner, group_name)
-            raise WeightTransferError(f"weights update group {group_name!r} failed while receiving {name!r} "
-                                      f"({len(received)} of {len(specs)} received; nothing was written, the "
-                                      f"previous weights stay; the group is destroyed): {e}") from None
+            _give_up(runner, group_name, f"failed while receiving {name!r} ({len(received)} of {len(specs)} "
+                     "received", e)
         received.append((name, tensor))
+    try:  # gloo's works are done already (each raised its error at once)
+        if group.backend == "nccl":
+            await_work(last, group.timeout_s)
+    except Exception as e:
+        _give_up(runner, group_name, f"failed while receiving ({len(specs)} broadcasts started, not all arrived", e)
     _synchronize(group.device)  # the broadcasts ran on the group's stream; the copies run on the engine's
     return received
+
+
+def _give_up(runner, group_name: str, what: str, error: Exception) -> None:
+    """A receive that failed: the group is destroyed (it is out of step with the trainer), nothing was written."""
+    destroy_update_group(runner, group_name)
+    raise WeightTransferError(f"weights update group {group_name!r} {what}; nothing was written, the previous "
+                              f"weights stay; the group is destroyed): {error}") from None
 
 
 def _specs(names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
