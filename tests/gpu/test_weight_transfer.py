@@ -137,7 +137,8 @@ def test_nccl_update_group_across_gpus(checkpoints):
 def test_a_trainer_dying_mid_nccl_update_leaves_the_engine_serving(checkpoints):
     """The trainer broadcasts half the tensors and exits: the receive gives up at the group's timeout (it polls the
     last broadcast instead of a CUDA synchronize), aborts the communicator, and raises; the engine process lives
-    on (the update group's watchdog only cleans up) and answers with its previous weights, bit for bit."""
+    on (the update group's watchdog only cleans up: PyTorch's default would end this pytest process) and answers
+    with its previous weights, bit for bit."""
     import time
 
     from torpor.engine.loader import iter_checkpoint
@@ -161,5 +162,6 @@ def test_a_trainer_dying_mid_nccl_update_leaves_the_engine_serving(checkpoints):
         trainer.stdin.close()
         trainer.wait(120)
     assert trainer.returncode == 1, stderr_of(trainer)
-    assert waited < 45, f"the receive waited {waited:.0f} s for a trainer gone (timeout 20 s)"
+    # At the group's timeout (20 s), or at the watchdog's (30 s later) if NCCL's enqueue itself waited for the GPU.
+    assert waited < 80, f"the receive waited {waited:.0f} s for a trainer gone (timeout 20 s)"
     assert answers(llm) == before  # nothing was written

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import torch
 
@@ -1146,7 +1146,7 @@ def receive_named_tensors(runner, group_name: str, names: Sequence[str], dtypes:
     return received
 
 
-def _give_up(runner, group_name: str, what: str, error: Exception) -> None:
+def _give_up(runner, group_name: str, what: str, error: Exception) -> NoReturn:
     """A receive that failed: the group is destroyed (it is out of step with the trainer), nothing was written."""
     destroy_update_group(runner, group_name)
     raise WeightTransferError(f"weights update group {group_name!r} {what}; nothing was written, the previous "
