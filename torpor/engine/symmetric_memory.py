@@ -58,7 +58,12 @@ class SymmetricMemory:
         interface = {"shape": (self.size * self.slot_bytes,), "typestr": "|u1", "data": (self.base, False),
                      "version": 3}
         self._bytes = torch.as_tensor(_CudaArray(interface), device=device)  # does not own the memory
-        self.map()
+        try:
+            self.map()
+        except BaseException:  # (map released what it had mapped) the address range goes too
+            with contextlib.suppress(Exception):
+                cu.cuMemAddressFree(self.base, self.size * self.slot_bytes)
+            raise
 
     @property
     def is_mapped(self) -> bool:
