@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from torpor.engine.distributed import all_ranks_ok
 from torpor.engine.symmetric_memory import SymmetricMemory
+from torpor.rl.engine_process import free_port
 
 GROUP_TIMEOUT_S = 60
 
@@ -48,11 +49,7 @@ def _rank(rank: int, port: int, failing: list[int], results) -> None:
 
 
 def _run(failing: list[int]) -> dict[int, tuple]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [context.Process(target=_rank, args=(rank, port, failing, results)) for rank in range(2)]

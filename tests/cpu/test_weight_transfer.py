@@ -33,6 +33,7 @@ from torpor.engine.weight_transfer import (
 )
 from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
+from torpor.rl.engine_process import free_port
 from torpor.server import ServerConfig, build_app
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
@@ -384,26 +385,18 @@ TRAINER_GROUP = """
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_process_group_push_and_failures(server, tiny_model_path, new_weights_path, expected):
     old = expected.old
     # a group that never forms: nobody hosts the store
     r = server.admin.post("/init_weights_update_group", json={
-        "master_address": "127.0.0.1", "master_port": _free_port(), "rank_offset": 1, "world_size": 2,
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
         "group_name": "nobody", "backend": "gloo", "timeout": 1.0})
     assert r.status_code == 409 and "nobody" in r.json()["error"]["message"], r.text
     assert _served(server) == old
     # a trainer that dies after 3 of its tensors
     trainer = _run_trainer(TRAINER_GROUP.format(url=server.url, admin=ADMIN, path=new_weights_path, die_midway=True),
-                           str(_free_port()))
+                           str(free_port()))
     code, out, err = _finish(trainer)
     assert code == 3 and "dying" in out, err
     assert _served(server) == old  # nothing was written; the group is gone
@@ -411,7 +404,7 @@ def test_process_group_push_and_failures(server, tiny_model_path, new_weights_pa
     assert r.status_code == 400 and "no weights update group" in r.json()["error"]["message"]
     # a whole push
     trainer = _run_trainer(TRAINER_GROUP.format(url=server.url, admin=ADMIN, path=new_weights_path, die_midway=False),
-                           str(_free_port()))
+                           str(free_port()))
     code, out, err = _finish(trainer)
     assert code == 0, err
     assert _served(server) == expected.new
@@ -426,7 +419,7 @@ def test_a_trainer_whose_group_the_engine_refuses_fails_at_once(server):
 
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"group failed: the engine answered 403.*admin token is wrong"):
-        DistributedPusher(server.url, "wrong-token", "127.0.0.1", _free_port(), "cpu", timeout=60)
+        DistributedPusher(server.url, "wrong-token", "127.0.0.1", free_port(), "cpu", timeout=60)
     assert time.monotonic() - start < 15
 
 
@@ -555,7 +548,7 @@ def _trainer_group(llm, name: str, timeout: float = 30.0):
 
     from torpor.engine.weight_transfer import open_update_group
 
-    port, box = _free_port(), {}
+    port, box = free_port(), {}
     host = threading.Thread(target=lambda: box.setdefault("group", open_update_group(
         "127.0.0.1", port, 0, 2, name, "gloo", torch.device("cpu"), timeout, is_master=True)))
     host.start()
@@ -668,7 +661,7 @@ def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weigh
     import threading
 
     llm = LLM(tiny_model_path, tensor_parallel_size=2, **ENGINE)
-    port = _free_port()
+    port = free_port()
     trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port))
     try:
         payloads = [trainer.stdout.readline().strip() for _ in range(4)]

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from trainer_process import start_trainer, stderr_of, tiny_checkpoints  # noqa: E402
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
+from torpor.rl.engine_process import free_port  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, block_size=16, num_kv_blocks=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -95,14 +96,6 @@ GROUP_TRAINER = """
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_update_group_across_gpus(checkpoints):
     from torpor.engine.loader import iter_checkpoint
@@ -112,7 +105,7 @@ def test_nccl_update_group_across_gpus(checkpoints):
     reference.close()
     del reference
     llm = LLM(checkpoints[0], device="cuda:0", **ENGINE)
-    port = _free_port()
+    port = free_port()
     trainer = start_trainer(GROUP_TRAINER, checkpoints[1], str(port), "all")
     try:
         llm.init_weights_update_group("127.0.0.1", port, 1, 2, "test", "nccl", timeout=120)
@@ -146,7 +139,7 @@ def test_a_trainer_dying_mid_nccl_update_leaves_the_engine_serving(checkpoints):
 
     llm = LLM(checkpoints[0], device="cuda:0", **ENGINE)
     before = answers(llm)
-    port = _free_port()
+    port = free_port()
     named = list(iter_checkpoint(checkpoints[1]))
     trainer = start_trainer(GROUP_TRAINER, checkpoints[1], str(port), str(len(named) // 2))
     try:

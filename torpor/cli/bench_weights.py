@@ -303,7 +303,7 @@ def bench_distributed(model: str, device: str, tensors, args) -> dict:
         print("distributed: skipped (needs 2 GPUs)")
         return {"skipped": "needs 2 GPUs"}
     from torpor.rl import DistributedPusher
-    from torpor.rl.engine_process import EngineProcess
+    from torpor.rl.engine_process import EngineProcess, free_port
 
     engine_index = torch.device(device).index or 0
     trainer_device = f"cuda:{(engine_index + 1) % torch.cuda.device_count()}"
@@ -312,7 +312,7 @@ def bench_distributed(model: str, device: str, tensors, args) -> dict:
     with EngineProcess(model, _serve_args(device)) as engine:
         wait_for_host_reservation(engine)  # its pinning stalls the driver calls a push makes
         before = _greedy(engine)
-        pusher = DistributedPusher(engine.url, engine.admin_token, "127.0.0.1", _free_port(), trainer_device,
+        pusher = DistributedPusher(engine.url, engine.admin_token, "127.0.0.1", free_port(), trainer_device,
                                    backend="nccl")
         try:
             pusher.push(moved)  # warm-up
@@ -336,8 +336,9 @@ def raw_nccl_broadcast(tensors, src_device: str, dst_device: str, repeat: int) -
     import multiprocessing
 
     from torpor.engine.weight_transfer import broadcast, open_update_group
+    from torpor.rl.engine_process import free_port
 
-    port = _free_port()
+    port = free_port()
     specs = [(list(t.shape), t.dtype) for _, t in tensors]
     context = multiprocessing.get_context("spawn")
     helper = context.Process(target=_raw_receiver, args=(port, specs, dst_device, repeat + 1), daemon=True)
@@ -369,14 +370,6 @@ def _raw_receiver(port: int, specs, device: str, rounds: int) -> None:
             broadcast(group, buffer)
         broadcast(group, torch.zeros(1, device=device))
     torch.cuda.synchronize(device)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_summary(results: dict) -> None:

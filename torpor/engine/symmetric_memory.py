@@ -60,9 +60,8 @@ class SymmetricMemory:
         self._bytes = torch.as_tensor(_CudaArray(interface), device=device)  # does not own the memory
         try:
             self.map()
-        except BaseException:  # (map released what it had mapped) the address range goes too
-            with contextlib.suppress(Exception):
-                cu.cuMemAddressFree(self.base, self.size * self.slot_bytes)
+        except BaseException:  # map released what it had mapped; the address range goes too
+            self.close()
             raise
 
     @property

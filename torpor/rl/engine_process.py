@@ -15,15 +15,20 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free right now (for a server, or the store of a weights update group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class EngineProcess:
     """Starts `torpor serve MODEL --admin-token TOKEN` on a free port of 127.0.0.1 with `serve_args` (e.g.
     ["--device", "cuda:0"]), waits until it answers /health; `post` raises on any non-200 answer."""
 
     def __init__(self, model: str, serve_args: list[str], admin_token: str = "torpor-admin",
                  env: dict[str, str] | None = None, start_timeout: float = 900) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         command = [sys.executable, "-m", "torpor", "serve", model, "--port", str(port), "--admin-token", admin_token,
                    "--log-level", "warning", *serve_args]
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
