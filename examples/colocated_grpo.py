@@ -153,8 +153,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    from torpor.engine.checkpoint import make_model
     from torpor.rl import WeightPusher
+    from torpor.synthetic import make_model
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)

@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from torpor.engine.attention.reference import paged_decode_attention_reference
 from torpor.engine.attention.triton_decode import alloc_decode_workspace, num_decode_splits, paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from references import random_paged_decode_inputs
+from references import paged_decode_attention_reference, random_paged_decode_inputs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from torpor.engine import LLM, SamplingParams, cuda_graphs, inputs, llm, llm_engine, model_runner, sampler, scheduler
-from torpor.engine.checkpoint import make_model
 from torpor.engine.models import llama
+from torpor.synthetic import make_model
 
 # phase -> (owner, method name). Inclusive times; `report` takes the nested ones out of their parents.
 PHASES = {

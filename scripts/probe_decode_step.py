@@ -181,10 +181,9 @@ def part_prefix() -> None:
     from triton.testing import do_bench
 
     from torpor.engine.attention import triton_decode as td
-    from torpor.engine.attention.reference import paged_decode_attention_reference
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from references import shared_prefix_decode_inputs
+    from references import paged_decode_attention_reference, shared_prefix_decode_inputs
 
     rng = random.Random(0)
     groups = [(512, [rng.randint(1, 256) for _ in range(8)]) for _ in range(64)]

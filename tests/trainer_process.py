@@ -9,7 +9,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from torpor.engine.checkpoint import make_model
+from torpor.synthetic import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 import pytest
 
-from torpor.engine.checkpoint import make_model
+from torpor.synthetic import make_model
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
 from torpor.engine.background_load import BackgroundLoad
-from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import CheckpointError, load_weights_reference
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.weight_staging import StagingBuffers
+from torpor.synthetic import make_model
 
 
 @pytest.fixture(scope="module")

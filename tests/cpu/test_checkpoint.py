@@ -9,12 +9,12 @@ import torch
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.checkpoint import PRESETS, default_model_path, make_model
-from torpor.engine.checkpoint.generator import config_json, plan_shards, weight_specs
-from torpor.engine.checkpoint.tokenizer_builder import build_tokenizer
 from torpor.engine.loader import load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from torpor.synthetic import PRESETS, default_model_path, make_model
+from torpor.synthetic.generator import config_json, plan_shards, weight_specs
+from torpor.synthetic.tokenizer_builder import build_tokenizer
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.checkpoint import make_model
+from torpor.synthetic import make_model
 
 ARCHS = ("tiny", "tiny-llama", "tiny-qwen2")
 ATOL = 1e-4  # fp32 logprobs of the same model computed two ways

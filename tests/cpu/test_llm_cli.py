@@ -6,7 +6,7 @@ import json
 import pytest
 
 from torpor.cli.main import main
-from torpor.engine.checkpoint import make_model
+from torpor.synthetic import make_model
 
 
 def test_make_model_writes_the_same_checkpoint_as_the_library(tmp_path, capsys):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.checkpoint import make_model
 from torpor.memory import MemoryManager
+from torpor.synthetic import make_model
 
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1),

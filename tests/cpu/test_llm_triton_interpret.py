@@ -20,7 +20,7 @@ if not isinstance(triton.language.cdiv, InterpretedFunction):
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
 from torpor.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from torpor.engine.checkpoint import make_model  # noqa: E402
+from torpor.synthetic import make_model  # noqa: E402
 
 
 def test_triton_backend_with_padded_decode_matches_the_cpu_engine(tmp_path):

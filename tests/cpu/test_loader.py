@@ -9,9 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import CheckpointError, iter_checkpoint, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
+from torpor.synthetic import make_model
 
 
 @pytest.fixture(scope="module")

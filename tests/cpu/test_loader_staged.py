@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 
 import torpor.engine.distributed as distributed
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import (
     CheckpointError,
     iter_checkpoint,
@@ -22,6 +21,7 @@ from torpor.engine.loader import (
 )
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.weight_staging import StagingBuffers, copy_planned
+from torpor.synthetic import make_model
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import torch
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.loader import iter_checkpoint
-from torpor.engine.sleep_harness import differences, fixed_requests, run_round
 from torpor.engine.sleep_mode import SleepMode
 from torpor.memory import CheckpointError, CheckpointUnsupportedError, MemoryManager
+from torpor.testing.harness import differences, fixed_requests, run_round
 
 
 @pytest.fixture(scope="module")

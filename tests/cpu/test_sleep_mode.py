@@ -10,7 +10,7 @@ import torch
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.loader import iter_checkpoint
-from torpor.engine.sleep_harness import differences, fixed_requests, run_harness, run_round, soak
+from torpor.testing.harness import differences, fixed_requests, run_harness, run_round, soak
 
 MiB = 2**20
 

@@ -17,9 +17,9 @@ import torch
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.loader import CheckpointError, iter_checkpoint
-from torpor.engine.sleep_harness import fixed_requests
 from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
 from torpor.memory import CheckpointUnsupportedError, HostMemoryError, MemoryManager
+from torpor.testing.harness import fixed_requests
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4, block_size=4)
 

@@ -16,8 +16,8 @@ from torpor.lazy import collector_paused
 # Not needed to start an engine and answer: imported where they are used (the server, chat templates, Hub
 # downloads, torch.compile's machinery, the plain loader's safetensors reader, the checkpoint generator).
 NOT_AT_START = ("torch._dynamo", "torch._inductor", "sympy", "transformers", "jinja2", "huggingface_hub", "rich",
-                "fastapi", "pydantic", "uvicorn", "safetensors", "triton", "torpor.server", "torpor.engine.checkpoint",
-                "torpor.engine.weight_transfer", "torpor.engine.sleep_harness")
+                "fastapi", "pydantic", "uvicorn", "safetensors", "triton", "torpor.server", "torpor.synthetic",
+                "torpor.engine.weight_transfer", "torpor.testing.harness")
 
 
 def test_the_collector_is_paused_inside_and_restored_after():

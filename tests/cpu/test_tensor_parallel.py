@@ -22,9 +22,9 @@ import torch
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.config import EngineConfig
 from torpor.engine.loader import iter_checkpoint
-from torpor.engine.sleep_harness import differences, fixed_requests, run_harness, run_round
 from torpor.engine.worker_group import RankError, WorkerDiedError, check_devices
 from torpor.memory import HostMemoryError
+from torpor.testing.harness import differences, fixed_requests, run_harness, run_round
 
 LOGPROB_TOLERANCE = 1e-4  # fp32, 2 layers, 2 ranks: observed differences are ~1e-6
 OPTIONS = dict(device="cpu", max_num_seqs=16, max_model_len=128)

@@ -25,7 +25,7 @@ if not isinstance(triton.language.cdiv, InterpretedFunction):
 from references import random_paged_decode_inputs, shared_prefix_decode_inputs  # noqa: E402
 
 import torpor.engine.attention.triton_decode as td  # noqa: E402
-from torpor.engine.attention.reference import paged_decode_attention_reference  # noqa: E402
+from tests.references import paged_decode_attention_reference  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # max error / max |ref|
 

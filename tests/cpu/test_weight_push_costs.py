@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import check_update, first_non_finite, iter_checkpoint
 from torpor.rl import WeightPusher, bucket_named_tensors, weight_sync
+from torpor.synthetic import make_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

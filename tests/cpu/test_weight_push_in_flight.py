@@ -26,11 +26,11 @@ import torch
 from server_thread import ServerThread, wait_for
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import iter_checkpoint
 from torpor.engine.weight_transfer import receiver_of
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.server import ServerConfig, build_app, weight_pipeline
+from torpor.synthetic import make_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

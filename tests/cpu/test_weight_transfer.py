@@ -22,7 +22,6 @@ import torch
 from server_thread import ServerThread
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.checkpoint import make_model
 from torpor.engine.loader import CheckpointError, iter_checkpoint
 from torpor.engine.weight_transfer import (
     RefusedPickle,
@@ -35,6 +34,7 @@ from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.rl.engine_process import free_port
 from torpor.server import ServerConfig, build_app
+from torpor.synthetic import make_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
-from torpor.engine.checkpoint import make_model  # noqa: E402
+from torpor.synthetic import make_model  # noqa: E402
 
 MiB = 1 << 20
 SMALL = dict(device="cuda", max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=256)

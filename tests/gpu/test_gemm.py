@@ -127,7 +127,7 @@ print(json.dumps(result))
 def test_sleeping_engine_is_within_64_mib_of_a_bare_context(tmp_path):
     """The issue's target, on the tiny model with CUDA graphs, in a fresh process (the process must not
     have made a cuBLAS handle: this test process has, through F.linear above)."""
-    from torpor.engine.checkpoint import make_model
+    from torpor.synthetic import make_model
 
     path = make_model("tiny", tmp_path / "tiny", dtype="bfloat16", progress=False)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(RESIDUE.format(path=str(path)))],

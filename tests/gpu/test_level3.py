@@ -22,8 +22,8 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from torpor.engine import LLM  # noqa: E402
-from torpor.engine.sleep_harness import differences, fixed_requests, run_round  # noqa: E402
 from torpor.memory import CheckpointError, checkpoint, cuda_driver  # noqa: E402
+from torpor.testing.harness import differences, fixed_requests, run_round  # noqa: E402
 
 MiB = 1 << 20
 

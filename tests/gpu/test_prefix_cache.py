@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from torpor.cli.bench_decode import _cache_root, checkpoint  # noqa: E402
 from torpor.engine import LLM, SamplingParams  # noqa: E402
-from torpor.engine.sleep_harness import fixed_requests, run_harness  # noqa: E402
+from torpor.testing.harness import fixed_requests, run_harness  # noqa: E402
 
 ENGINE = dict(device="cuda", max_model_len=512, max_num_seqs=64, block_size=16, gpu_memory_utilization=0.4)
 

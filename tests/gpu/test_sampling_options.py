@@ -13,9 +13,9 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
-from torpor.engine.checkpoint import make_model  # noqa: E402
 from torpor.engine.sampler import Sampler  # noqa: E402
 from torpor.engine.sequence import Sequence  # noqa: E402
+from torpor.synthetic import make_model  # noqa: E402
 
 VOCAB = 151936  # Qwen3's
 EOS = (151643, 151645)

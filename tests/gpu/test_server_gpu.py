@@ -13,8 +13,8 @@ import httpx  # noqa: E402
 from server_thread import ServerThread  # noqa: E402
 
 from torpor.engine import LLM  # noqa: E402
-from torpor.engine.checkpoint import make_model  # noqa: E402
 from torpor.server import ServerConfig, build_app  # noqa: E402
+from torpor.synthetic import make_model  # noqa: E402
 
 ADMIN = "gpu-admin"
 MiB = 1 << 20

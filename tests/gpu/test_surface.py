@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from torpor import LLM, Logprob, SamplingParams  # noqa: E402
-from torpor.engine.checkpoint import make_model  # noqa: E402
+from torpor.synthetic import make_model  # noqa: E402
 
 QWEN3 = (Path(__file__).parent.parent / "data" / "chat_templates" / "qwen3-0.6b.jinja").read_text()
 CONVERSATIONS = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(6)]

@@ -49,8 +49,8 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
-from torpor.engine.checkpoint import default_model_path  # noqa: E402
-from torpor.engine.sleep_harness import differences, fixed_requests, run_harness, run_round  # noqa: E402
+from torpor.synthetic import default_model_path  # noqa: E402
+from torpor.testing.harness import differences, fixed_requests, run_harness, run_round  # noqa: E402
 
 MiB = 1 << 20
 # bf16 TP=2 vs TP=1 (see the module docstring). Measured on CPU (qwen3-0.6b, gloo): |prompt logprob

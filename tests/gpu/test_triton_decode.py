@@ -14,7 +14,7 @@ from references import random_paged_decode_inputs, shared_prefix_decode_inputs  
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import torpor.engine.attention.triton_decode as td  # noqa: E402
-from torpor.engine.attention.reference import paged_decode_attention_reference  # noqa: E402
+from tests.references import paged_decode_attention_reference  # noqa: E402
 
 if isinstance(td._decode_split_kernel, InterpretedFunction):
     pytest.skip(

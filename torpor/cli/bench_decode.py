@@ -110,7 +110,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> floa
 def checkpoint(preset: str, cache: Path) -> Path:
     """The synthetic bf16 checkpoint of `preset` (seed 0), generated once into `cache` (the one cache
     `torpor demo` uses too)."""
-    from torpor.engine.checkpoint import cached_model_path
+    from torpor.synthetic import cached_model_path
 
     return cached_model_path(preset, progress=True, models_dir=cache)
 

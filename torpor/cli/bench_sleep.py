@@ -63,8 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def resolve_model(name: str | None, device: str) -> str:
     from pathlib import Path
 
-    from torpor.engine.checkpoint import PRESETS, default_model_path
     from torpor.env import Env
+    from torpor.synthetic import PRESETS, default_model_path
 
     if name is None:
         name = "qwen3-8b" if device.startswith("cuda") else None
@@ -364,8 +364,8 @@ def start_up_with_and_without_reservation(model: str, args: argparse.Namespace, 
 
 def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
     """Issue 15's figures; see the module docstring."""
-    from torpor.engine.sleep_harness import level3_scenarios, level3_soak_scenarios
     from torpor.memory import checkpoint, cuda_driver
+    from torpor.testing.harness import level3_scenarios, level3_soak_scenarios
 
     checkpoint.check_support(cuda_driver.pci_bus_id(torch.cuda.current_device()))  # clear error if unsupported
     results.update(start_up_with_and_without_reservation(model, args))
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
 
 def harness_requests(llm, args: argparse.Namespace) -> list:
     """The bit-exact batch: `--requests` mixed requests whose prompt + 32 output tokens fit max_model_len."""
-    from torpor.engine.sleep_harness import fixed_requests
+    from torpor.testing.harness import fixed_requests
 
     return fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=min(256, args.max_model_len - 33),
                           max_tokens=32)
@@ -499,7 +499,7 @@ def run_soak(model: str, args: argparse.Namespace, results: dict) -> int:
 def harness_and_soak(llm, args: argparse.Namespace, results: dict, cases=None, soak_cases=None) -> bool:
     """The bit-exact harness over `cases` (default: every scenario), then `--soak-cycles` cycles over
     `soak_cases`; their figures into `results`. Returns whether every round was exact."""
-    from torpor.engine.sleep_harness import run_harness, soak
+    from torpor.testing.harness import run_harness, soak
 
     requests = harness_requests(llm, args)
     results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
@@ -525,7 +525,7 @@ def finish(results: dict, args: argparse.Namespace, exact: bool) -> int:
 def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
     """`--loader-only`: the weight rows, and the answers before and after every reload compared."""
     from torpor.engine import SamplingParams
-    from torpor.engine.sleep_harness import differences, fixed_requests, run_round
+    from torpor.testing.harness import differences, fixed_requests, run_round
 
     llm, results["cold_start_s"] = build(model, args)
     requests = fixed_requests(8, llm.engine.vocab_size, max_prompt=64, max_tokens=16)

@@ -121,14 +121,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from torpor.engine import LLM
-    from torpor.engine.sleep_harness import differences
+    from torpor.testing.harness import differences
 
     plot = plot_path(args.plot) if args.plot else None  # before the demo runs, not after
     on_gpu = uses_gpu(args.device)
     console = Console(width=240) if not sys.stdout.isatty() else Console()
     model, synthetic = args.model, args.model is None
     if model is None and on_gpu:
-        from torpor.engine.checkpoint import cached_model_path
+        from torpor.synthetic import cached_model_path
 
         console.print(f"the {GPU_PRESET} geometry (synthetic weights) is generated once into the cache")
         model = str(cached_model_path(GPU_PRESET, progress=True))

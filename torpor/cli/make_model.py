@@ -9,8 +9,8 @@ import time
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from torpor.engine.checkpoint import PRESETS
     from torpor.engine.config import DTYPE_NAMES
+    from torpor.synthetic import PRESETS
 
     p = sub.add_parser("make-model", help="write a synthetic Hugging Face checkpoint",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from torpor.engine.checkpoint import make_model
+    from torpor.synthetic import make_model
 
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         raise ValueError(f"{args.out_dir} exists and is not a folder: give a checkpoint folder to create or refill")
@@ -43,7 +43,7 @@ def preset_hint(model: str | None, command: str) -> str:
     """For a preset name given where a checkpoint goes (`torpor serve qwen3-0.6b`): how to make that checkpoint."""
     from pathlib import Path
 
-    from torpor.engine.checkpoint import PRESETS
+    from torpor.synthetic import PRESETS
 
     if model not in PRESETS or Path(model).expanduser().exists():
         return ""

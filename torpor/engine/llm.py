@@ -343,7 +343,7 @@ def _params_list(params, num_prompts: int) -> list[SamplingParams | None]:
 
 def _default_model() -> str:
     """The embedded tiny model's folder (the checkpoint generator is imported only for it)."""
-    from torpor.engine.checkpoint import default_model_path
+    from torpor.synthetic import default_model_path
 
     return str(default_model_path())
 

@@ -1,10 +1,10 @@
-"""`python -m torpor.engine.checkpoint PRESET OUT_DIR [--seed N] [--dtype D]`: write a synthetic checkpoint."""
+"""`python -m torpor.synthetic PRESET OUT_DIR [--seed N] [--dtype D]`: write a synthetic checkpoint."""
 
 import argparse
 
-from torpor.engine.checkpoint.generator import DEFAULT_MAX_SHARD_BYTES, make_model
-from torpor.engine.checkpoint.presets import PRESETS
 from torpor.engine.config import DTYPE_NAMES
+from torpor.synthetic.generator import DEFAULT_MAX_SHARD_BYTES, make_model
+from torpor.synthetic.presets import PRESETS
 
 
 def main() -> None:

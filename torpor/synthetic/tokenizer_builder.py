@@ -6,8 +6,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from torpor.engine.checkpoint.corpus import CORPUS
-from torpor.engine.checkpoint.presets import Preset
+from torpor.synthetic.corpus import CORPUS
+from torpor.synthetic.presets import Preset
 
 
 def build_tokenizer(preset: Preset) -> Tokenizer:
