@@ -1,4 +1,4 @@
-"""The start-up's weight load on a thread of its own (engine/background_load.py): the same bits as the plain
+"""The start-up's weight load on a thread of its own (engine/weights/background_load.py): the same bits as the plain
 loader, every failure on the caller's thread (a bad header at once, a failed copy or a non-finite value at
 `finish`), and an engine started with it answers exactly as one that loads the weights first."""
 
@@ -11,10 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.background_load import BackgroundLoad
-from torpor.engine.loader import CheckpointError, load_weights_reference
 from torpor.engine.models import ModelConfig, build_model
-from torpor.engine.weight_staging import StagingBuffers
+from torpor.engine.weights.background_load import BackgroundLoad
+from torpor.engine.weights.index import CheckpointError
+from torpor.engine.weights.loader import load_weights_reference
+from torpor.engine.weights.staging import StagingBuffers
 from torpor.synthetic import make_model
 
 
@@ -135,10 +136,10 @@ def test_reader_threads_follow_the_cores_this_process_may_use(sharded, monkeypat
     import subprocess
     import sys
 
-    from torpor.engine.weight_staging import usable_cpus
+    from torpor.engine.weights.staging import usable_cpus
 
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from torpor.engine.weight_staging import StagingBuffers, usable_cpus; "
+            "from torpor.engine.weights.staging import StagingBuffers, usable_cpus; "
             "print(usable_cpus(), StagingBuffers('cpu', count=8).threads)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TORPOR_LOAD_THREADS": ""}).stdout.split()
@@ -157,7 +158,8 @@ def test_reader_threads_follow_the_cores_this_process_may_use(sharded, monkeypat
 def test_staging_buffers_allocated_ahead_are_the_ones_the_load_takes(sharded):
     """`prefetch` allocates the kept buffers on a thread while the start-up goes on; the first load waits for
     them and reads through exactly those (same addresses), bit for bit like the plain loader."""
-    from torpor.engine.loader import checkpoint_bytes, load_weights
+    from torpor.engine.weights.index import checkpoint_bytes
+    from torpor.engine.weights.loader import load_weights
 
     staging = StagingBuffers("cpu", buffer_bytes=4096, count=3, keep=True)
     staging.prefetch(checkpoint_bytes(sharded))
@@ -178,7 +180,7 @@ def test_staging_buffers_allocated_ahead_are_the_ones_the_load_takes(sharded):
 
 
 def test_no_prefetch_for_buffers_given_back_or_an_unreadable_checkpoint(tmp_path):
-    from torpor.engine.loader import checkpoint_bytes
+    from torpor.engine.weights.index import checkpoint_bytes
 
     assert checkpoint_bytes(tmp_path / "nothing-here") == 0  # the load itself says what is wrong
     given_back = StagingBuffers("cpu")  # CPU buffers are plain memory, given back after each load

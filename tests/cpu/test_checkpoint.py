@@ -9,9 +9,9 @@ import torch
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.loader import load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from torpor.engine.weights.loader import load_weights
 from torpor.synthetic import PRESETS, default_model_path, make_model
 from torpor.synthetic.generator import config_json, plan_shards, weight_specs
 from torpor.synthetic.tokenizer_builder import build_tokenizer

@@ -9,8 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.loader import CheckpointError, iter_checkpoint, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
+from torpor.engine.weights.index import CheckpointError
+from torpor.engine.weights.loader import iter_checkpoint, load_named_tensors, load_weights
 from torpor.synthetic import make_model
 
 
@@ -219,7 +220,7 @@ def test_a_checked_update_copies_through_the_plans_as_the_weight_loaders_do(qwen
     """`copy_checked` (a whole checked update: the cached meta plans, no weight loader) writes exactly what the
     weight loaders write, tensor by tensor — fused q/k/v and gate/up, biases, tied embeddings — from sources that
     are views at an offset of one storage (a flattened bucket) or not contiguous at all, in another dtype."""
-    from torpor.engine.loader import check_update, copy_checked
+    from torpor.engine.weights.loader import check_update, copy_checked
 
     generator = torch.Generator().manual_seed(7)
     new = {name: torch.randn(t.shape, generator=generator).to(torch.bfloat16)
@@ -250,7 +251,7 @@ def test_a_checked_copy_that_fails_midway_says_the_weights_are_a_mix(qwen2):
     """`copy_checked` after its checks can fail only on the device (here a source whose data cannot be read): before
     any write the error is raised as it is (the weights are as they were); after one, as CheckpointError with
     `weights_written`, which makes the engine refuse to serve until a complete update."""
-    from torpor.engine.loader import copy_checked
+    from torpor.engine.weights.loader import copy_checked
 
     model = new_model(qwen2)
     load_weights(model, qwen2)

@@ -1,4 +1,4 @@
-"""The staged loader (weight_staging.py) against the plain one, bit for bit: single file and shards,
+"""The staged loader (weights/staging.py) against the plain one, bit for bit: single file and shards,
 tied embeddings, fused q/k/v and gate/up, dtype conversion, tensor-parallel slices; every bad file a
 `CheckpointError` naming it; shard names that leave the folder refused."""
 
@@ -12,15 +12,10 @@ from safetensors.torch import save_file
 
 import torpor.engine.distributed as distributed
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.loader import (
-    CheckpointError,
-    iter_checkpoint,
-    load_weights,
-    load_weights_reference,
-    plan_checkpoint,
-)
 from torpor.engine.models import ModelConfig, build_model
-from torpor.engine.weight_staging import StagingBuffers, copy_planned
+from torpor.engine.weights.index import CheckpointError
+from torpor.engine.weights.loader import iter_checkpoint, load_weights, load_weights_reference, plan_checkpoint
+from torpor.engine.weights.staging import StagingBuffers, copy_planned
 from torpor.synthetic import make_model
 
 

@@ -6,9 +6,9 @@ import transformers
 
 from torpor.engine.attention.metadata import AttentionMetadata
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.loader import load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.layers.rotary import compute_inv_freq
+from torpor.engine.weights.loader import load_weights
 from torpor.synthetic import make_model
 
 ARCHS = {"tiny": "Qwen3ForCausalLM", "tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM"}

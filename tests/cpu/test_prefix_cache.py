@@ -8,9 +8,9 @@ import pytest
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.block_manager import BlockManager
 from torpor.engine.config import EngineConfig
-from torpor.engine.loader import iter_checkpoint
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import Sequence, sample_seed
+from torpor.engine.weights.loader import iter_checkpoint
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=16, block_size=8)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.loader import iter_checkpoint
 from torpor.engine.sleep_mode import SleepMode
+from torpor.engine.weights.loader import iter_checkpoint
 from torpor.memory import CheckpointError, CheckpointUnsupportedError, MemoryManager
 from torpor.testing.harness import differences, fixed_requests, run_round
 

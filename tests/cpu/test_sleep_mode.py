@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.loader import iter_checkpoint
+from torpor.engine.weights.loader import iter_checkpoint
 from torpor.testing.harness import differences, fixed_requests, run_harness, run_round, soak
 
 MiB = 2**20

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.loader import CheckpointError, iter_checkpoint
 from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
+from torpor.engine.weights.index import CheckpointError
+from torpor.engine.weights.loader import iter_checkpoint
 from torpor.memory import CheckpointUnsupportedError, HostMemoryError, MemoryManager
 from torpor.testing.harness import fixed_requests
 

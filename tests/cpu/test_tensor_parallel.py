@@ -21,7 +21,7 @@ import torch
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.config import EngineConfig
-from torpor.engine.loader import iter_checkpoint
+from torpor.engine.weights.loader import iter_checkpoint
 from torpor.engine.worker_group import RankError, WorkerDiedError, check_devices
 from torpor.memory import HostMemoryError
 from torpor.testing.harness import differences, fixed_requests, run_harness, run_round

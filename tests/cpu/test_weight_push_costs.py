@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.loader import check_update, first_non_finite, iter_checkpoint
+from torpor.engine.weights.loader import check_update, first_non_finite, iter_checkpoint
 from torpor.rl import WeightPusher, bucket_named_tensors, weight_sync
 from torpor.synthetic import make_model
 
@@ -74,7 +74,7 @@ def test_the_finite_check_names_the_first_bad_tensor_across_dtypes():
 def test_the_finite_check_of_a_flattened_bucket_reduces_it_once_and_still_names_the_tensor():
     """The views of one bucket (16-byte aligned, mixed dtypes) are reduced per dtype as one run: a NaN in any
     of them is found and named, one in the padding between them is not a tensor's."""
-    from torpor.engine.weight_transfer import named_tensors_of
+    from torpor.engine.weights.payload import named_tensors_of
     from torpor.rl import bucket_named_tensors
 
     named = [("a", torch.randn(5, 3)), ("b", torch.randn(7).bfloat16()), ("c", torch.randn(9)),

@@ -26,8 +26,8 @@ import torch
 from server_thread import ServerThread, wait_for
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.loader import iter_checkpoint
 from torpor.engine.weight_transfer import receiver_of
+from torpor.engine.weights.loader import iter_checkpoint
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.server import ServerConfig, build_app, weight_pipeline
 from torpor.synthetic import make_model
@@ -367,7 +367,7 @@ def _counting(pusher: WeightPusher) -> list:
 # ---- a trainer process: dies mid-push; gets its memory back ------------------------------------------
 TRAINER = """
     import gc, os, sys
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
     from torpor.rl import WeightPusher, bucket_named_tensors
     pusher = WeightPusher({url!r}, {admin!r}, bucket_bytes={bucket}, in_flight=2)
     buckets = list(bucket_named_tensors(iter_checkpoint({path!r}), {bucket}))

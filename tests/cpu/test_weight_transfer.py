@@ -22,14 +22,10 @@ import torch
 from server_thread import ServerThread
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.loader import CheckpointError, iter_checkpoint
-from torpor.engine.weight_transfer import (
-    RefusedPickle,
-    RestrictedUnpickler,
-    await_work,
-    named_tensors_of,
-    unpickle_payload,
-)
+from torpor.engine.weights.index import CheckpointError
+from torpor.engine.weights.loader import iter_checkpoint
+from torpor.engine.weights.payload import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
+from torpor.engine.weights.transport import await_work
 from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.rl.engine_process import free_port
@@ -197,7 +193,7 @@ def test_flattened_bucket_round_trip_and_bad_metadata():
 # ---- in process, from another process's shared memory ------------------------------------------------
 TRAINER_PAYLOAD = """
     import sys, torch
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
     from torpor.rl import bucket_named_tensors, serialize
     named = list(iter_checkpoint({path!r}))
     print(serialize([b.payload() for b in bucket_named_tensors(named, 1 << 20)][0] if {bucketed} else named),
@@ -325,7 +321,7 @@ def _served(server) -> list:
 
 
 TRAINER_HTTP = """
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
     from torpor.rl import WeightPusher
     pusher = WeightPusher({url!r}, {admin!r}, bucket_bytes=200_000, buckets_per_request=2)  # 4 buckets, 2 requests
     print(pusher.push(iter_checkpoint({path!r})), flush=True)
@@ -364,14 +360,14 @@ def test_http_rl_cycle_from_a_trainer_process(server, tiny_model_path, new_weigh
 # ---- the process-group path (gloo) ------------------------------------------------------------------
 TRAINER_GROUP = """
     import os, socket, sys
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
     from torpor.rl import DistributedPusher
     port = int(sys.argv[1])
     pusher = DistributedPusher({url!r}, {admin!r}, "127.0.0.1", port, "cpu", timeout=30)
     named = list(iter_checkpoint({path!r}))
     if {die_midway}:
         import httpx, threading
-        from torpor.engine.weight_transfer import broadcast
+        from torpor.engine.weights.transport import broadcast
         body = {{"names": [n for n, _ in named], "dtypes": ["float32"] * len(named),
                 "shapes": [list(t.shape) for _, t in named], "group_name": "weight_update_group"}}
         threading.Thread(target=pusher.http.post, args=("/update_weights_from_distributed",),
@@ -434,7 +430,7 @@ def test_unpickler_payload_limits():
 
 
 NESTED_KEYS = """
-    from torpor.engine.weight_transfer import RefusedPickle, RestrictedUnpickler
+    from torpor.engine.weights.payload import RefusedPickle, RestrictedUnpickler
     nested = b")" + b"\\x85" * 700_000  # a tuple 700,000 deep: 700 KB, within the server's default 1 MiB body
     for opcodes in (b"}" + nested + b"Ns", b"(" + nested + b"Nd", b"(" + nested + b"\\x91"):  # SETITEM, DICT, FROZENSET
         payload = b"\\x80\\x04" + opcodes + b"."
@@ -546,7 +542,7 @@ def _trainer_group(llm, name: str, timeout: float = 30.0):
     """A group of 2 between a trainer thread of this process (rank 0, hosting the store) and `llm` (rank 1)."""
     import threading
 
-    from torpor.engine.weight_transfer import open_update_group
+    from torpor.engine.weights.transport import open_update_group
 
     port, box = free_port(), {}
     host = threading.Thread(target=lambda: box.setdefault("group", open_update_group(
@@ -561,7 +557,7 @@ def _broadcast_in_thread(group, tensors):
     """The trainer's broadcasts in a thread; the result holds the error they ended with (None: all sent)."""
     import threading
 
-    from torpor.engine.weight_transfer import broadcast
+    from torpor.engine.weights.transport import broadcast
 
     result = {}
 
@@ -583,7 +579,7 @@ def test_a_refused_distributed_update_destroys_the_group_and_frees_the_trainer(t
     """The trainer broadcasts while the engine refuses the update (an unknown name): nobody receives its
     broadcasts, so the group's stream is out of step. Before: the engine kept the group, the trainer sat
     in its broadcast for the group's whole timeout; now the group is destroyed and the trainer fails at once."""
-    from torpor.engine.weight_transfer import destroy_group_handle
+    from torpor.engine.weights.transport import destroy_group_handle
 
     llm = LLM(tiny_model_path, **ENGINE)
     named = list(iter_checkpoint(new_weights_path))
@@ -615,7 +611,7 @@ def test_closing_the_engine_destroys_its_groups(tiny_model_path):
     gloo threads behind, and the next engine of the process could not init a group of the same name."""
     import gc
 
-    from torpor.engine.weight_transfer import destroy_group_handle
+    from torpor.engine.weights.transport import destroy_group_handle
 
     llm = LLM(tiny_model_path, **ENGINE)
     for _ in range(3):  # repeated init / destroy leaks nothing either
@@ -640,8 +636,8 @@ def test_closing_the_engine_destroys_its_groups(tiny_model_path):
 # ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
 TP_TRAINER = """
     import sys, torch
-    from torpor.engine.loader import iter_checkpoint
-    from torpor.engine.weight_transfer import broadcast, open_update_group
+    from torpor.engine.weights.loader import iter_checkpoint
+    from torpor.engine.weights.transport import broadcast, open_update_group
     from torpor.rl import serialize
     named = list(iter_checkpoint(sys.argv[1]))
     for _ in range(4):  # shared-memory payloads: each pickle is opened once (by one rank)
@@ -704,7 +700,7 @@ def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weigh
 
 
 DYING_TRAINER = """
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
     from torpor.rl import serialize
     print(serialize(list(iter_checkpoint({path!r}))), flush=True)
 """

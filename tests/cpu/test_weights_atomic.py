@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.llm_engine import WEIGHTS_INVALID
-from torpor.engine.loader import CheckpointError, iter_checkpoint
+from torpor.engine.weights.index import CheckpointError
+from torpor.engine.weights.loader import iter_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 from torpor.cli.bench_decode import checkpoint  # noqa: E402
 from torpor.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from torpor.engine.loader import load_weights, load_weights_reference, read_headers  # noqa: E402
 from torpor.engine.models import ModelConfig, build_model  # noqa: E402
-from torpor.engine.weight_staging import StagingBuffers  # noqa: E402
+from torpor.engine.weights.loader import load_weights, load_weights_reference, read_headers  # noqa: E402
+from torpor.engine.weights.staging import StagingBuffers  # noqa: E402
 from torpor.env import Env  # noqa: E402
 
 

@@ -41,7 +41,7 @@ def answers(llm) -> list:
 
 TRAINER = """
     import json, sys, torch
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
     from torpor.rl import WeightPusher, bucket_named_tensors, serialize
     named = [(n, t.cuda()) for n, t in iter_checkpoint(sys.argv[1])]
     torch.cuda.synchronize()

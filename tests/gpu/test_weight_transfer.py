@@ -33,7 +33,7 @@ def answers(llm) -> list:
 
 IPC_TRAINER = """
     import sys, torch
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
     from torpor.rl import bucket_named_tensors, serialize
     named = [(n, t.cuda()) for n, t in iter_checkpoint(sys.argv[1])]
     torch.cuda.synchronize()
@@ -78,8 +78,8 @@ def test_ipc_buckets_from_another_process(checkpoints):
 
 GROUP_TRAINER = """
     import sys, torch
-    from torpor.engine.loader import iter_checkpoint
-    from torpor.engine.weight_transfer import broadcast, open_update_group
+    from torpor.engine.weights.loader import iter_checkpoint
+    from torpor.engine.weights.transport import broadcast, open_update_group
     torch.cuda.set_device(1)
     named = [(n, t.to("cuda:1")) for n, t in iter_checkpoint(sys.argv[1])]
     group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 2, "test", "nccl", torch.device("cuda:1"),
@@ -98,7 +98,7 @@ GROUP_TRAINER = """
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_update_group_across_gpus(checkpoints):
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
 
     reference = LLM(checkpoints[1], device="cuda:0", **ENGINE)
     want = answers(reference)
@@ -134,8 +134,8 @@ def test_a_trainer_dying_mid_nccl_update_leaves_the_engine_serving(checkpoints):
     with its previous weights, bit for bit."""
     import time
 
-    from torpor.engine.loader import iter_checkpoint
-    from torpor.engine.weight_transfer import WeightTransferError
+    from torpor.engine.weights.loader import iter_checkpoint
+    from torpor.engine.weights.transport import WeightTransferError
 
     llm = LLM(checkpoints[0], device="cuda:0", **ENGINE)
     before = answers(llm)

@@ -123,7 +123,7 @@ def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", k
             + "print('ENGINE', t1 - t0, flush=True); llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); "
             "print('FIRST_TOKEN', time.perf_counter() - t1, flush=True); print('READY', time.time(), flush=True)")
     if cold_cache:
-        from torpor.engine.loader import checkpoint_files
+        from torpor.engine.weights.index import checkpoint_files
 
         drop_page_cache(checkpoint_files(model))
     start = time.time()  # the child reports when its first token came: its exit is not start-up
@@ -179,7 +179,8 @@ def warm_page_cache(files) -> None:
 def loader_figures(llm, model: str, device: str) -> dict:
     """Reload seconds and GB/s, plain loader against the staged one, page cache warm and cold; then a
     level-2 wake + reload. Both loaders write the same parameters; the answers are checked unchanged."""
-    from torpor.engine.loader import checkpoint_files, load_weights_reference, read_headers
+    from torpor.engine.weights.index import checkpoint_files, read_headers
+    from torpor.engine.weights.loader import load_weights_reference
 
     runner = llm.engine.model_runner
     local = getattr(runner, "local", runner)  # rank 0 under tensor parallelism
@@ -235,7 +236,7 @@ def level2_wake_reload(llm, files, device: str) -> dict:
     return dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
 
 
-# (staging buffers, MiB each) tried by `staging_sweep`: the loader's default first (weight_staging.py), then
+# (staging buffers, MiB each) tried by `staging_sweep`: the loader's default first (weights/staging.py), then
 # its neighbours (half / twice the buffers, twice the size) and the former default, 8 x 128 MiB.
 STAGING_SWEEP = ((32, 32), (16, 64), (64, 16), (32, 64), (8, 128))
 
@@ -244,8 +245,9 @@ def staging_sweep(model_module, model: str, device: str, nbytes: int, timed) -> 
     """The staged reload, page cache warm, with other numbers and sizes of staging buffers (the reader
     threads follow the number, up to the cores): what the default is chosen from. Each set is pinned by an
     untimed load first; the best of two timed loads."""
-    from torpor.engine.loader import checkpoint_files, load_weights
-    from torpor.engine.weight_staging import StagingBuffers
+    from torpor.engine.weights.index import checkpoint_files
+    from torpor.engine.weights.loader import load_weights
+    from torpor.engine.weights.staging import StagingBuffers
 
     warm_page_cache(checkpoint_files(model))
     rows = {}
@@ -272,7 +274,7 @@ def _instanttensor_path(model, files, device: str):
         return None
     if not device.startswith("cuda"):
         return None
-    from torpor.engine.loader import load_named_tensors
+    from torpor.engine.weights.loader import load_named_tensors
 
     def load() -> None:
         index = torch.cuda.current_device()

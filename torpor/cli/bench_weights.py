@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from torpor.cli.bench_sleep import resolve_model
     from torpor.engine.llm import _resolve_device
-    from torpor.engine.loader import iter_checkpoint
+    from torpor.engine.weights.loader import iter_checkpoint
 
     device = _resolve_device(args.device)
     model = resolve_model(args.model, device)
@@ -335,7 +335,7 @@ def raw_nccl_broadcast(tensors, src_device: str, dst_device: str, repeat: int) -
     `dst_device`, over the same kind of standalone group: the link's own figure."""
     import multiprocessing
 
-    from torpor.engine.weight_transfer import broadcast, open_update_group
+    from torpor.engine.weights.transport import broadcast, open_update_group
     from torpor.rl.engine_process import free_port
 
     port = free_port()
@@ -359,7 +359,7 @@ def raw_nccl_broadcast(tensors, src_device: str, dst_device: str, repeat: int) -
 
 
 def _raw_receiver(port: int, specs, device: str, rounds: int) -> None:
-    from torpor.engine.weight_transfer import broadcast, open_update_group
+    from torpor.engine.weights.transport import broadcast, open_update_group
 
     torch.cuda.set_device(device)
     group = open_update_group("127.0.0.1", port, 1, 2, "raw", "nccl", torch.device(device))

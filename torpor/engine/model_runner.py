@@ -6,7 +6,7 @@ buffer lands where sleep mode expects it:
 
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model (parameters and the RoPE table)
-    (no tag)     load_weights (the staged loader, weight_staging.py) into those parameters, on a thread of
+    (no tag)     load_weights (the staged loader, weights/staging.py) into those parameters, on a thread of
                  its own beside the two phases below unless TORPOR_OVERLAP_LOAD=0 (background_load.py)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
@@ -29,7 +29,6 @@ from collections.abc import Iterator
 import torch
 
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
-from torpor.engine.background_load import BackgroundLoad
 from torpor.engine.config import EngineConfig
 from torpor.engine.cuda_graphs import CudaGraphRunner, run_decode
 from torpor.engine.distributed import min_over_ranks, tp_size
@@ -44,13 +43,15 @@ from torpor.engine.kv_cache import (
     kv_block_bytes,
 )
 from torpor.engine.lazy_jit import warm_triton_cache_key
-from torpor.engine.loader import CheckpointError, check_update, checkpoint_bytes, load_named_tensors, load_weights
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.config import DTYPES
 from torpor.engine.phase_times import phase
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
-from torpor.engine.weight_staging import StagingBuffers
+from torpor.engine.weights.background_load import BackgroundLoad
+from torpor.engine.weights.index import CheckpointError, checkpoint_bytes
+from torpor.engine.weights.loader import check_update, load_named_tensors, load_weights
+from torpor.engine.weights.staging import StagingBuffers
 from torpor.env import Env
 from torpor.lazy import collector_paused
 
@@ -95,7 +96,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = self.model_config.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.engine_stream = EngineStream(self.device)
-        # Host buffers of the staged loader, reused by every reload (pinned on CUDA; see weight_staging.py),
+        # Host buffers of the staged loader, reused by every reload (pinned on CUDA; see weights/staging.py),
         # pinned while the memory manager's tags and the model are built.
         self.staging = StagingBuffers(self.device)
         self.staging.prefetch(checkpoint_bytes(config.model))

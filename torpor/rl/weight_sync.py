@@ -308,7 +308,7 @@ class DistributedPusher:
                  backend: str | None = None, timeout: float = 120.0) -> None:
         import httpx
 
-        from torpor.engine.weight_transfer import destroy_group_handle, open_update_group
+        from torpor.engine.weights.transport import destroy_group_handle, open_update_group
 
         self.device, self.group_name = torch.device(device), group_name
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
@@ -334,7 +334,7 @@ class DistributedPusher:
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
         """Broadcast every tensor, in order, while the engine receives them (one request for all)."""
-        from torpor.engine.weight_transfer import broadcast
+        from torpor.engine.weights.transport import broadcast
 
         named = [(n, t.detach().contiguous()) for n, t in named_tensors]
         body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
@@ -353,7 +353,7 @@ class DistributedPusher:
 
     def close(self) -> None:
         """Destroy the group on both ends."""
-        from torpor.engine.weight_transfer import destroy_group_handle
+        from torpor.engine.weights.transport import destroy_group_handle
 
         try:
             self.http.post("/destroy_weights_update_group", json={"group_name": self.group_name})

@@ -30,8 +30,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from torpor.engine import rpc
-from torpor.engine.loader import INDEX_FILE, SINGLE_FILE, CheckpointError, checkpoint_files
 from torpor.engine.sleep_mode import SLEEP_LEVELS, SLEEP_TAGS
+from torpor.engine.weights.index import INDEX_FILE, SINGLE_FILE, CheckpointError, checkpoint_files
 from torpor.server.auth import require_admin
 from torpor.server.errors import APIError, engine_error, is_safetensors_error
 from torpor.server.protocol import invalid_unicode

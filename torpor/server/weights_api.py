@@ -27,6 +27,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from torpor.engine import weight_transfer
+from torpor.engine.weights.transport import DEFAULT_GROUP_TIMEOUT_S
 from torpor.server import weight_pipeline
 from torpor.server.auth import require_admin
 from torpor.server.control import _run, _state
@@ -54,7 +55,7 @@ class InitGroupRequest(BaseModel):
     world_size: int
     group_name: str = DEFAULT_GROUP
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
-    timeout: float = weight_transfer.DEFAULT_GROUP_TIMEOUT_S  # seconds for the group to form (torpor's)
+    timeout: float = DEFAULT_GROUP_TIMEOUT_S  # seconds for the group to form (torpor's)
 
 
 class UpdateFromDistributedRequest(BaseModel):
@@ -108,7 +109,7 @@ async def _update_from_tensor(server: ServerState, serialized_named_tensors: lis
 
 async def _init_group(server: ServerState, master_address: str, master_port: int, rank_offset: int, world_size: int,
                       group_name: str = DEFAULT_GROUP, backend: str | None = None,
-                      timeout: float = weight_transfer.DEFAULT_GROUP_TIMEOUT_S, **_: Any) -> dict:
+                      timeout: float = DEFAULT_GROUP_TIMEOUT_S, **_: Any) -> dict:
     start = time.perf_counter()
     args = (server.engine.engine, master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
     if server.engine.config.tensor_parallel_size == 1:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from torpor.engine.loader import iter_checkpoint
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
+from torpor.engine.weights.loader import iter_checkpoint
 from torpor.memory import process_rss_bytes
 
 Request = tuple[list[int], SamplingParams]

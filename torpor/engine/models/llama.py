@@ -113,7 +113,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. Build it under the target device and default dtype (see `build_model`);
-    parameters are allocated empty and filled by `torpor.engine.loader.load_weights`."""
+    parameters are allocated empty and filled by `torpor.engine.weights.loader.load_weights`."""
 
     # checkpoint module name -> (fused module name, shard id)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, object]]] = {

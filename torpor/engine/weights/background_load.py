@@ -3,7 +3,7 @@
 Neither of those needs the weights' values: the sizing reads how much memory a step takes, the graphs record
 the parameters' addresses (an eager warm-up step runs before each capture, on whatever the parameters hold so
 far; its output and the K/V it writes into the scratch block are thrown away). So the copies of the checkpoint
-(`weight_staging.copy_planned`, ~1 s for 16 GB) run meanwhile, and the engine serves only after `finish`.
+(`staging.copy_planned`, ~1 s for 16 GB) run meanwhile, and the engine serves only after `finish`.
 
 What runs where:
 - the caller's thread: the plan (every header, name, shape and dtype checked before any byte is written, so a
@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torpor.engine.loader import CheckpointError, check_finite, load_failed, plan_checkpoint
-from torpor.engine.weight_staging import StagingBuffers, copy_reads, prepare_reads, usable_cpus
+from torpor.engine.weights.index import CheckpointError
+from torpor.engine.weights.loader import check_finite, load_failed, plan_checkpoint
+from torpor.engine.weights.staging import StagingBuffers, copy_reads, prepare_reads, usable_cpus
 from torpor.env import Env
 
 logger = logging.getLogger("torpor.engine")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from torpor.engine.loader import CheckpointError, PlannedCopy, TensorEntry
+from torpor.engine.weights.index import CheckpointError, PlannedCopy, TensorEntry
 from torpor.env import Env
 from torpor.memory.cuda_driver import CudaDriverError
 from torpor.memory.host_buffer import HostBuffer

@@ -1,0 +1,1 @@
+"""Weights: checkpoint files and their loading, payloads and manifests of updates, transports to trainers."""

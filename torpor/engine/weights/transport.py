@@ -1,0 +1,196 @@
+"""Process groups to a trainer: standalone gloo / NCCL groups built on the trainer's TCP store (never the
+default group), their broadcasts and a bounded wait for them. Shared by the engine's receiver and `torpor.rl`'s
+sender."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from torpor.engine.weights.payload import is_int
+
+DEFAULT_GROUP_TIMEOUT_S = 120.0
+
+
+class WeightTransferError(RuntimeError):
+    """A weight transfer that could not happen (group never formed, trainer gone); nothing was written."""
+
+
+
+# ---- the process-group transport ---------------------------------------------------------------------
+@dataclass
+class UpdateGroup:
+    """One standalone process group to a trainer (rank `rank` of `world_size`; the trainer is rank 0)."""
+
+    name: str
+    rank: int
+    world_size: int
+    backend: str
+    group: object  # ProcessGroupGloo / ProcessGroupNCCL
+    device: torch.device
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S  # how long a receive waits for the trainer's broadcasts
+
+
+
+def open_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                      backend: str, device: torch.device, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+                      is_master: bool = False, give_up: Callable[[], str | None] | None = None) -> UpdateGroup:
+    """Join (or, `is_master`: host) the standalone group `group_name`. Every rank checks in on the store
+    first; a rank missing after `timeout_s` → WeightTransferError, and nothing is left behind. `give_up`:
+    polled while waiting; a reason it returns ends the wait at once (e.g. the engine refused to join)."""
+    _check_group_args(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
+    backend = _backend_for(backend, device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    # The communicator and its streams form on `device` (the caller's current device is given back after).
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return _open_update_group(master_address, master_port, rank, world_size, group_name, backend, device,
+                                  timedelta(seconds=timeout_s), is_master, give_up)
+
+
+def _open_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                       backend: str, device: torch.device, timeout: timedelta, is_master: bool,
+                       give_up: Callable[[], str | None] | None) -> UpdateGroup:
+    import torch.distributed as dist
+
+    timeout_s = timeout.total_seconds()
+    try:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master, timeout=timeout,
+                              wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise WeightTransferError(f"weights update group {group_name!r}: cannot reach the trainer's store at "
+                                  f"{master_address}:{master_port} within {timeout_s:g} s: {e}") from None
+    store = dist.PrefixStore(f"torpor-weights/{group_name}/", store)
+    _rendezvous(store, rank, world_size, group_name, timeout_s, give_up)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    else:
+        group = _nccl_group(store, rank, world_size, timeout)
+    handle = UpdateGroup(group_name, rank, world_size, backend, group, device, timeout_s)
+    try:
+        broadcast(handle, torch.zeros(1, device=device))  # forms the communicator now (NCCL is lazy)
+    except BaseException:
+        destroy_group_handle(handle)  # nothing left behind
+        raise
+    return handle
+
+
+# A receive gives up on the trainer at the group's timeout and aborts the communicator itself; NCCL's watchdog,
+# which acts at its own timeout, gets this much longer, so the receive's error (and its roll-back) comes first.
+_WATCHDOG_MARGIN = timedelta(seconds=30)
+_nccl_env_lock = threading.Lock()
+
+
+def _nccl_group(store, rank: int, world_size: int, timeout: timedelta):
+    """A ProcessGroupNCCL whose watchdog, on an error or at its timeout, aborts the communicator and leaves the
+    process alive (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, "clean up only", read by the constructor). PyTorch's default
+    (3) ends the process: a trainer that died mid-update would take the serving engine with it."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout + _WATCHDOG_MARGIN
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    with _nccl_env_lock:  # the variable is the process's: set only while this group is made
+        before = os.environ.get(name)
+        os.environ[name] = "2"
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+
+
+def _rendezvous(store, rank: int, world_size: int, group_name: str, timeout_s: float,
+                give_up: Callable[[], str | None] | None = None) -> None:
+    store.set(f"joined/{rank}", b"1")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
+        if not missing:
+            return
+        reason = give_up() if give_up is not None else None
+        if reason:
+            raise WeightTransferError(f"weights update group {group_name!r} will not form: {reason}")
+        if time.monotonic() > deadline:
+            raise WeightTransferError(f"weights update group {group_name!r} did not form within {timeout_s:g} s: "
+                                      f"rank(s) {missing[:8]} of {world_size} never joined")
+        time.sleep(0.02)
+
+
+def _check_group_args(address, port, rank, world_size, name, backend, timeout_s) -> None:
+    if not isinstance(address, str) or not address:
+        raise ValueError("master_address must be a host name or address")
+    if not is_int(port) or not 0 < port < 65536:
+        raise ValueError(f"master_port must be a port number, got {port!r}")
+    if not is_int(world_size) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2 (the trainer and the engine's ranks), got {world_size!r}")
+    if not is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, world_size), got {rank!r}")
+    if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,128}", name):
+        raise ValueError(f"group_name must be 1-128 letters, digits, '_', '.' or '-', got {name!r}")
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if not isinstance(timeout_s, int | float) or not 0 < timeout_s <= 3600:
+        raise ValueError(f"timeout must be in (0, 3600] seconds, got {timeout_s!r}")
+
+
+def _backend_for(backend: str | None, device: torch.device) -> str:
+    default = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or default
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("backend 'nccl' needs a CUDA engine; on CPU use 'gloo'")
+    return backend
+
+
+def broadcast(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` into everyone's, in place. gloo: blocks until done (or the group's timeout); NCCL: the
+    current stream waits for it (`await_work` waits for it on the host, within a timeout)."""
+    _start_broadcast(group, tensor)
+    return tensor
+
+
+def _start_broadcast(group: UpdateGroup, tensor: torch.Tensor):
+    """`broadcast`, returning its work (what `await_work` waits for)."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    work = group.group.broadcast([tensor], options)
+    work.wait()
+    return work
+
+
+def await_work(last, timeout_s: float, poll_s: float = 1e-4) -> None:
+    """Wait on the host until the collectives up to `last` (a process-group work; NCCL's run in order on the
+    group's stream) are done, for at most `timeout_s`: a CUDA synchronize would wait forever for a trainer that
+    died mid-broadcast. Raises TimeoutError at the deadline (the caller destroys the group: its abort ends the
+    kernels still waiting), or the work's error if it ended in one."""
+    deadline = time.monotonic() + timeout_s
+    while not last.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer's broadcasts did not complete within {timeout_s:g} s")
+        time.sleep(poll_s)
+    # Set when NCCL reported an error or the watchdog aborted the communicator (PyTorch calls the API deprecated and
+    # says so once per process on stderr; a completed NCCL work has no other way to tell failure from success).
+    error = last.exception()
+    if error is not None:
+        raise RuntimeError(f"the broadcast failed: {error}")
+
+
+
+def destroy_group_handle(group: UpdateGroup) -> None:
+    """End one group's communicator (NCCL: abort it; gloo: its sockets close with the object)."""
+    abort = getattr(group.group, "abort", None)
+    if group.backend == "nccl" and abort is not None:
+        abort()
+
