@@ -57,7 +57,7 @@ class Env:
     # reading each shared prompt prefix once per group of sequences (attention/triton_decode.py); for A/B runs.
     decode_prefixes: bool = True
     # TORPOR_OVERLAP_LOAD (default 1): the start-up loads the weights on a thread of their own beside the KV sizing
-    # and the graph capture (engine/weights/background_load.py); 0 loads them first. On by default since runs 20 and 22 of
+    # and the graph capture (engine/weights/background_load.py); 0 loads them first. On by default since runs 20, 22 of
     # 2026-12-02 (half the cores reading): 0.3 s faster with the page cache warm, 1.2-2.4 s with it cold
     # (docs/weights.md).
     overlap_load: bool = True
