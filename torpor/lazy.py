@@ -60,17 +60,14 @@ def use_bytecode_cache(cache_dir: str | None = None, package: str = "torch") -> 
     again: `import torch` took 3.9-5.0 s there instead of ~1.3 s. The `torpor` command (a process of its
     own) calls this before anything imports torch: Python then keeps the bytecode of every module it imports
     under `cache_dir/pycache` (default: torpor's cache folder, TORPOR_CACHE), not beside the sources, and the
-    next start reads it. Nothing changes where bytecode may be written, where torch's is installed, where a
-    prefix is set already (PYTHONPYCACHEPREFIX) or with TORPOR_BYTECODE_CACHE=0 (`package`: the installed
-    package whose bytecode decides). Returns the folder used, or None. Call before importing torch
-    (torch-free; reads no engine module)."""
+    next start reads it. Nothing changes where bytecode may be written, where torch's is installed, or where a
+    prefix is set already (PYTHONPYCACHEPREFIX) (`package`: the installed package whose bytecode decides).
+    Returns the folder used, or None. Call before importing torch (torch-free; reads no engine module)."""
     import os
     import sys
     from importlib.util import cache_from_source, find_spec
 
     if not sys.dont_write_bytecode or sys.pycache_prefix is not None:
-        return None
-    if os.environ.get("TORPOR_BYTECODE_CACHE", "1") in ("0", "false"):
         return None
     spec = find_spec(package)  # finds the package without importing it
     if spec is None or spec.origin is None or os.path.exists(cache_from_source(spec.origin)):

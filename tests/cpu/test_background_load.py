@@ -113,26 +113,24 @@ def test_abandon_waits_for_the_copies(sharded):
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_an_engine_started_beside_its_load_answers_as_one_loading_first(tiny_model_path, monkeypatch):
+def test_an_engine_started_beside_its_load_answers_as_after_a_reload(tiny_model_path):
+    """The start-up's load (beside the KV sizing) writes what a plain reload of the same checkpoint writes."""
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
-    answers = {}
-    for overlap in ("1", "0"):
-        monkeypatch.setenv("TORPOR_OVERLAP_LOAD", overlap)
-        llm = LLM(tiny_model_path, device="cpu", max_num_seqs=4, max_model_len=128)
-        try:
-            outs = llm.generate(prompts, params)
-            answers[overlap] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        finally:
-            llm.close()
+    llm = LLM(tiny_model_path, device="cpu", max_num_seqs=4, max_model_len=128)
+    try:
         assert not load_threads()
-    assert answers["1"] == answers["0"]
+        answers = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        llm.reload_weights()
+        again = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    finally:
+        llm.close()
+    assert answers == again
 
 
-def test_reader_threads_follow_the_cores_this_process_may_use(sharded, monkeypatch):
+def test_reader_threads_follow_the_cores_this_process_may_use(sharded):
     """The loader counts the cores of its affinity (a container's CPU set), not the host's; beside the start-up it
-    reads with half of them; TORPOR_LOAD_THREADS sets both."""
-    import os
+    reads with half of them; a count given (EngineConfig.load_threads) sets both."""
     import subprocess
     import sys
 
@@ -141,15 +139,13 @@ def test_reader_threads_follow_the_cores_this_process_may_use(sharded, monkeypat
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
             "from torpor.engine.weights.staging import StagingBuffers, usable_cpus; "
             "print(usable_cpus(), StagingBuffers('cpu', count=8).threads)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "TORPOR_LOAD_THREADS": ""}).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split()
     assert out == ["1", "1"]
     staging = StagingBuffers("cpu", count=8)
     load = BackgroundLoad(new_model(sharded), sharded, staging, None)
     load.finish()
     assert staging.threads == min(8, usable_cpus()) and load.threads == max(1, staging.threads // 2)
-    monkeypatch.setenv("TORPOR_LOAD_THREADS", "3")
-    staging = StagingBuffers("cpu", count=8)
+    staging = StagingBuffers("cpu", count=8, threads=3)
     load = BackgroundLoad(new_model(sharded), sharded, staging, None)
     load.finish()
     assert staging.threads == 3 and load.threads == 3

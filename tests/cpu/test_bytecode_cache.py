@@ -47,7 +47,6 @@ def test_bytecode_goes_to_torpors_cache_where_python_may_not_write_it(tmp_path):
 
 @pytest.mark.parametrize(("env", "why"), [
     ({"PYTHONDONTWRITEBYTECODE": None}, "Python may write bytecode beside the sources"),
-    ({"PYTHONDONTWRITEBYTECODE": "1", "TORPOR_BYTECODE_CACHE": "0"}, "turned off"),
 ])
 def test_nothing_changes_otherwise(tmp_path, env, why):
     out = run(tmp_path, env, CALL.format(cache=str(tmp_path / "cache")))

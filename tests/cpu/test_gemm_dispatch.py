@@ -1,11 +1,11 @@
-"""gemm.linear off CUDA is F.linear, bit for bit; TORPOR_GEMM is validated with a clear error."""
+"""gemm.linear off CUDA is F.linear, bit for bit; EngineConfig.gemm is validated with a clear error."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from torpor.engine import gemm
-from torpor.env import Env
+from torpor.engine.config import EngineConfig
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -16,11 +16,8 @@ def test_cpu_linear_is_torch_linear(with_bias):
     assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_gemm_switch_is_validated(monkeypatch):
-    monkeypatch.setenv("TORPOR_GEMM", "torch")
-    assert Env.read().gemm == "torch"
-    monkeypatch.delenv("TORPOR_GEMM")
-    assert Env.read().gemm == "cublaslt"
-    monkeypatch.setenv("TORPOR_GEMM", "cublas")
-    with pytest.raises(ValueError, match="TORPOR_GEMM must be one of cublaslt, torch, got 'cublas'"):
-        Env.read()
+def test_gemm_choice_is_validated():
+    assert EngineConfig(model="m").gemm == "cublaslt"
+    assert EngineConfig(model="m", gemm="torch").gemm == "torch"
+    with pytest.raises(ValueError, match=r"gemm must be one of \('cublaslt', 'torch'\), got 'cublas'"):
+        EngineConfig(model="m", gemm="cublas")

@@ -1,5 +1,5 @@
 """The KV-cache sizing's step memory kept between start-ups (engine/profile_cache.py): read back under the
-same key, measured again under any other, never trusted when unreadable, off with TORPOR_KV_PROFILE_CACHE=0."""
+same key, measured again under any other, never trusted when unreadable, off with kv_profile_cache=False."""
 
 import dataclasses
 
@@ -15,7 +15,6 @@ from torpor.engine.profile_cache import StepMemory
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TORPOR_CACHE", str(tmp_path))
-    monkeypatch.delenv("TORPOR_KV_PROFILE_CACHE", raising=False)
     return tmp_path
 
 
@@ -68,10 +67,9 @@ def test_an_unreadable_file_is_measured_over(cache_dir, configs, content):
     assert profile_cache.load(key) == StepMemory(99, 7 << 20)  # the good value replaced it
 
 
-def test_switched_off_it_measures_every_time_and_keeps_nothing(cache_dir, configs, monkeypatch):
-    monkeypatch.setenv("TORPOR_KV_PROFILE_CACHE", "0")
+def test_switched_off_it_measures_every_time_and_keeps_nothing(cache_dir, configs):
     key = profile_cache.cache_key(*configs, torch.device("cpu"))
     measure = Measure(5)
-    profile_cache.step_memory(key, measure)
-    profile_cache.step_memory(key, measure)
+    profile_cache.step_memory(key, measure, enabled=False)
+    profile_cache.step_memory(key, measure, enabled=False)
     assert measure.calls == 2 and not (cache_dir / "kv-profile").exists()

@@ -70,21 +70,6 @@ def test_cuda_graphs_match_eager_exactly(checkpoints, dtype):
     assert with_graphs == expected
 
 
-def test_graphs_captured_after_a_warm_up_each_match_eager_exactly(checkpoints, monkeypatch):
-    """TORPOR_CAPTURE_WARMUPS=every (the default is one warm-up, which the test above runs): every size warmed up
-    outside its capture; every graph still computes what eager does."""
-    path = str(checkpoints["bfloat16"])
-    monkeypatch.setenv("TORPOR_CAPTURE_WARMUPS", "every")
-    graphs = LLM(path, **SMALL)
-    with_graphs = summary(graphs.generate(prompts(), PARAMS)) + summary(graphs.generate(prompts((7,), seed=1),
-                                                                                         PARAMS[:1]))
-    del graphs
-    monkeypatch.delenv("TORPOR_CAPTURE_WARMUPS")
-    eager = LLM(path, enforce_eager=True, **SMALL)
-    expected = summary(eager.generate(prompts(), PARAMS)) + summary(eager.generate(prompts((7,), seed=1), PARAMS[:1]))
-    assert with_graphs == expected
-
-
 def test_debug_lines_time_every_graph_capture(checkpoints, caplog):
     """TORPOR_DEBUG's start-up lines say where the capture phase goes: one line per captured batch size, in
     the form `torpor bench sleep` reads back."""

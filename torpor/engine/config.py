@@ -43,9 +43,6 @@ class EngineConfig:
     tensor_parallel_size: int = 1               # ranks (processes, one device each) the model is split over
     tp_timeout_s: float = 600.0                  # tensor parallel: a worker silent this long counts as hung
     num_kv_blocks: int | None = None             # filled by memory profiling
-    # Measurement only: start-up phases left outside their memory tag (e.g. ("runtime",) reproduces an
-    # engine that does not tag its runtime state, to show what tagging it saves).
-    untagged_phases: tuple[str, ...] = ()
     # Sleep mode: reserve (pin) the host copies a level-1 sleep needs in the background after start-up, so
     # the first sleep runs as fast as the later ones. Holds host memory of the weights' size; off where the
     # host is short of it (the first sleep then pins them itself).
@@ -54,6 +51,18 @@ class EngineConfig:
     # n samples of one request share their prompt's blocks). Off: every sequence computes its own prompt.
     enable_prefix_caching: bool = True
     max_n: int = 256                             # the most samples (`SamplingParams.n`) one request may ask for
+    # The model's GEMMs on CUDA: "cublaslt" (torpor/engine/cublaslt.py says why) or "torch" (F.linear through
+    # PyTorch's cuBLAS handle: +66 MiB of device memory per thread that stays while the engine sleeps).
+    gemm: str = "cublaslt"
+    # Tensor parallelism's collectives on CUDA: "nccl" (NCCL's communicator, ~1 GiB per GPU that stays while
+    # asleep) or "torpor" (a symmetric buffer that sleeps with the engine: tensor_exchange.py).
+    tp_comm: str = "nccl"
+    # Reader threads of the staged weight loader; 0: one per core this process may use (at most one per
+    # staging buffer), half of those for the load beside the start-up.
+    load_threads: int = 0
+    # Read back the activation peak that sizes the KV cache from an earlier start-up with the same model,
+    # options, code and GPU (profile_cache.py) instead of measuring it again.
+    kv_profile_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -79,8 +88,15 @@ class EngineConfig:
         _check_int("seed", self.seed)
         if not isinstance(self.reserve_host_copies, bool):
             raise ValueError(f"reserve_host_copies must be True or False, got {self.reserve_host_copies!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "kv_profile_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, choices in (("gemm", ("cublaslt", "torch")), ("tp_comm", ("nccl", "torpor"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        _check_int("load_threads", self.load_threads)
+        if self.load_threads < 0:
+            raise ValueError(f"load_threads must be >= 0 (0: one per core), got {self.load_threads}")
         if self.block_size & (self.block_size - 1):
             # The Triton decode kernel tiles one block with tl.arange, which needs a power of two.
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

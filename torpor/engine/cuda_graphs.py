@@ -28,20 +28,17 @@ class CudaGraphRunner:
     sleeps and wakes with the tag), else a private pool. Call on a side stream (the engine's). Replay reads
     whatever `buffers.load` copied in. `capture_error_mode`: CUDA's ("global", "thread_local", "relaxed"):
     "thread_local" while another thread of the process makes CUDA calls (the start-up's weight load).
-    `warmups`: only the "first" (largest) size gets an eager warm-up step before its capture, the other sizes' first
-    uses (Triton's specializations, the GEMM plans of their row counts) happening inside their captures — the
-    default (TORPOR_CAPTURE_WARMUPS; qwen3-8b's capture phase 0.2-0.5 s shorter), the graphs still bit-identical to
-    eager; or "every" size warmed up outside its capture."""
+    Only the first (largest) size gets an eager warm-up step before its capture; the other sizes' first uses
+    (Triton's specializations, the GEMM plans of their row counts) happen inside their captures, which keeps the
+    capture phase short (docs/benchmarks.md) and the graphs bit-identical to eager."""
 
     def __init__(self, model: nn.Module, buffers: DecodeBuffers, batch_sizes: tuple[int, ...],
-                 max_model_len: int, memory=None, capture_error_mode: str = "global", warmups: str = "first") -> None:
-        if warmups not in ("every", "first"):
-            raise ValueError(f"warmups must be 'every' or 'first', got {warmups!r}")
+                 max_model_len: int, memory=None, capture_error_mode: str = "global") -> None:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None if memory is not None else torch.cuda.graph_pool_handle()
         for batch_size in sorted(batch_sizes, reverse=True):
             start = time.perf_counter()
-            if warmups == "every" or not self.graphs:
+            if not self.graphs:
                 run_decode(model, buffers, batch_size, max_model_len)  # warm-up: Triton compiles, GEMM plans made
             graph = torch.cuda.CUDAGraph()
             scope = memory.graph_pool("cuda_graph") if memory is not None else contextlib.nullcontext(pool)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from torpor.engine import gemm
+
 # Streams of closed engines, per device, for the next engine. A stream is never destroyed: pinned host
 # buffers that took part in its copies record an event on it when they are freed, which may be after
 # the engine is gone (a destroyed stream then aborts the process).
@@ -59,24 +61,23 @@ class EngineStream:
         finally:
             caller.wait_stream(self.stream)
 
-    def make_gemm_workspace(self) -> None:
-        """The GEMM workspace of this stream, made now (call inside the memory tag that should hold it)."""
+    def make_gemm_workspace(self, use_torch: bool = False) -> None:
+        """The GEMM workspace of this stream, made now (call inside the memory tag that should hold it);
+        `use_torch`: no workspace, the stream's GEMMs go through F.linear (EngineConfig.gemm "torch")."""
         if self.stream is None or self.gemm_workspace is not None:
             return
-        from torpor.engine import gemm
-
-        self.gemm_workspace = torch.empty(gemm.workspace_bytes(self.device), dtype=torch.uint8, device=self.device)
-        gemm.set_workspace(int(self._handle), self.gemm_workspace)
+        if not use_torch:
+            self.gemm_workspace = torch.empty(gemm.workspace_bytes(self.device), dtype=torch.uint8,
+                                              device=self.device)
+        gemm.set_workspace(int(self._handle), self.gemm_workspace, use_torch)
 
     def close(self) -> None:
         """Drop the GEMM workspace and keep the stream for the next engine (streams are never destroyed, see
         _SPARE_STREAMS). Nothing happens while the interpreter shuts down."""
         if self._handle is None or sys.is_finalizing():
             return
-        from torpor.engine import gemm
-
         torch.cuda.synchronize(self.device)
-        gemm.set_workspace(int(self._handle), None)
+        gemm.drop_workspace(int(self._handle))
         self.gemm_workspace = None
         with _SPARE_LOCK:
             _SPARE_STREAMS.setdefault(self.device.index, []).append(self._handle)

@@ -1,15 +1,15 @@
 """y = x W^T (+ b) for the model's layers: cuBLASLt on CUDA (cublaslt.py says why not F.linear there),
-F.linear on CPU or when TORPOR_GEMM=torch.
+F.linear on CPU or on the streams of an engine configured with `gemm="torch"`.
 
 Workspaces are per CUDA stream (cuBLASLt's split-K kernels must not share one across streams): the
 engine registers its stream's workspace, made inside its `workspace` memory tag, so it sleeps and wakes
-with the engine at the same address (captured graphs hold it)."""
+with the engine at the same address (captured graphs hold it). The choice of GEMM is per stream too, so
+two engines of one process may choose differently."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -17,11 +17,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from torpor.env import Env
-
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _BACKENDS: dict[int, object] = {}  # device index -> CublasLt, or None where cuBLASLt cannot be used
-_WORKSPACES: dict[int, torch.Tensor] = {}  # CUDA stream handle -> workspace
+_WORKSPACES: dict[int, torch.Tensor | None] = {}  # CUDA stream handle -> workspace (None: F.linear there)
 _LOCK = threading.Lock()
 
 
@@ -30,12 +28,15 @@ def workspace_bytes(device: torch.device) -> int:
     return (32 if torch.cuda.get_device_capability(device)[0] >= 9 else 4) << 20
 
 
-def set_workspace(stream: int, workspace: torch.Tensor | None) -> None:
-    """Register (or with None drop) the workspace GEMMs enqueued on `stream` use."""
-    if workspace is None:
-        _WORKSPACES.pop(stream, None)
-    else:
-        _WORKSPACES[stream] = workspace
+def set_workspace(stream: int, workspace: torch.Tensor | None, use_torch: bool = False) -> None:
+    """Register the workspace GEMMs enqueued on `stream` use; `use_torch`: F.linear there instead (an engine
+    with `gemm="torch"`)."""
+    _WORKSPACES[stream] = None if use_torch else workspace
+
+
+def drop_workspace(stream: int) -> None:
+    """Forget `stream`'s workspace (its engine closed)."""
+    _WORKSPACES.pop(stream, None)
 
 
 _ROW_INVARIANT = contextvars.ContextVar("torpor_row_invariant_gemms", default=False)
@@ -49,7 +50,7 @@ def row_invariant() -> Iterator[None]:
     the same prompt prefilled whole (many rows): prefix caching changes no answer. On CUDA one cuBLASLt
     algorithm per weight shape serves every row count (cublaslt.py); on CPU the rows are padded to a multiple
     of CPU_ROW_MULTIPLE (PyTorch's CPU GEMMs compute a row differently when the row count leaves a remainder
-    of 1-3; measured, fp32). Not with TORPOR_GEMM=torch on CUDA."""
+    of 1-3; measured, fp32). Not with `gemm="torch"` on CUDA."""
     token = _ROW_INVARIANT.set(True)
     try:
         yield
@@ -61,13 +62,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., k], weight [n, k], bias [n] or None -> [..., n], like F.linear."""
     if not x.is_cuda:
         return _cpu_linear(x, weight, bias) if _ROW_INVARIANT.get() else F.linear(x, weight, bias)
-    if x.dtype not in _SUPPORTED or weight.dtype != x.dtype or _use_torch() or (
-            bias is not None and bias.dtype != x.dtype):
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    if x.dtype not in _SUPPORTED or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or (
+            stream in _WORKSPACES and _WORKSPACES[stream] is None):
         return F.linear(x, weight, bias)
     backend = _backend(x.device)
     if backend is None:
         return F.linear(x, weight, bias)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
     return backend.linear(x, weight, bias, stream, _WORKSPACES.get(stream), row_invariant=_ROW_INVARIANT.get())
 
 
@@ -94,9 +95,3 @@ def _backend(device: torch.device):
                               "then keeps ~66 MiB of device memory while the engine sleeps", stacklevel=3)
                 _BACKENDS[device.index] = None
     return _BACKENDS[device.index]
-
-
-@functools.cache
-def _use_torch() -> bool:
-    """TORPOR_GEMM, read once."""
-    return Env.read().gemm == "torch"

@@ -56,7 +56,8 @@ def gpu_num_kv_blocks(config: EngineConfig, model: nn.Module, model_config: Mode
     allocates outside every memory tag and leaves nothing behind; a restart with the same model, options,
     code and GPU reads its peak back instead of running it (profile_cache.py)."""
     key = profile_cache.cache_key(config, model_config, device, tp_rank())
-    step, cached = profile_cache.step_memory(key, lambda: _measure_step(config, model, model_config, device))
+    step, cached = profile_cache.step_memory(key, lambda: _measure_step(config, model, model_config, device),
+                                             config.kv_profile_cache)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # what the allocator caches goes back to the device: counted as free
     free, total = torch.cuda.mem_get_info(device)

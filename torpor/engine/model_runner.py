@@ -7,7 +7,7 @@ buffer lands where sleep mode expects it:
     workspace    GPU: the stream's GEMM workspace (cuBLASLt, gemm.py)
     weights      build_model (parameters and the RoPE table)
     (no tag)     load_weights (the staged loader, weights/staging.py) into those parameters, on a thread of
-                 its own beside the two phases below unless TORPOR_OVERLAP_LOAD=0 (background_load.py)
+                 its own beside the two phases below (weights/background_load.py)
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache
@@ -98,7 +98,7 @@ class ModelRunner:
         self.engine_stream = EngineStream(self.device)
         # Host buffers of the staged loader, reused by every reload (pinned on CUDA; see weights/staging.py),
         # pinned while the memory manager's tags and the model are built.
-        self.staging = StagingBuffers(self.device)
+        self.staging = StagingBuffers(self.device, threads=config.load_threads or None)
         self.staging.prefetch(checkpoint_bytes(config.model))
         self.weights_valid = True  # False after a load or update failed midway (a mix): refuse to serve
         # The stream and its GEMM workspace are given up when the runner goes (see EngineStream.close).
@@ -120,21 +120,14 @@ class ModelRunner:
                 self.backend = TorchAttentionBackend()
         if on_gpu:
             with self._tag("workspace"):
-                self.engine_stream.make_gemm_workspace()
+                self.engine_stream.make_gemm_workspace(use_torch=config.gemm == "torch")
         with self._tag("weights"), timed_phase("model_build"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
         self.graphs: CudaGraphRunner | None = None
         # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
         # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.
         self.pad_decode_batches = on_gpu
-        if Env.read().overlap_load:
-            self._start_beside_load(config)
-        else:
-            # Outside the tag, as every reload: the load writes into the parameters and allocates only
-            # temporaries (the finite check's), which must not stay cached in the weights' pool.
-            with timed_phase("weight_load"):
-                load_weights(self.model, config.model, self.staging)
-            self._size_and_allocate(config, capture_error_mode="global")
+        self._start_beside_load(config)
         if on_gpu:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
 
@@ -173,7 +166,7 @@ class ModelRunner:
         self._finalizer()
 
     def _tag(self, name: str) -> contextlib.AbstractContextManager:
-        if self.memory is None or name in self.config.untagged_phases:
+        if self.memory is None:
             return contextlib.nullcontext()
         return self.memory.tag(name)
 
@@ -231,8 +224,7 @@ class ModelRunner:
             if not config.enforce_eager:
                 with torch.inference_mode(), timed_phase("cuda_graph_capture"):
                     self.graphs = CudaGraphRunner(self.model, self.buffers, config.cuda_graph_batch_sizes,
-                                                  config.max_model_len, self.memory, capture_error_mode,
-                                                  Env.read().capture_warmups)
+                                                  config.max_model_len, self.memory, capture_error_mode)
 
     # ---- weights -----------------------------------------------------------------------------
     def reload_weights(self, path: str) -> None:

@@ -5,7 +5,7 @@ peak is measured by running the step (kv_cache.py), ~1.15 s of a qwen3-8b start-
 run 3), the largest phase after the imports. The peak depends only on what is in the key below: the model's
 shapes and dtype, the engine options that shape the step, torpor's engine code, torch and the GPU. A restart
 with the same key reads it back instead of running the step; anything else (another option, an edited source
-file, another torch) makes a new key and measures again. TORPOR_KV_PROFILE_CACHE=0 turns it off.
+file, another torch) makes a new key and measures again. EngineConfig.kv_profile_cache=False turns it off.
 
 What is kept is a `StepMemory`: the step's peak in PyTorch's allocator, and what its first run left on the
 device outside the allocator (kernel code CUDA loads on first use, ~tens of MiB): a start-up that reads the
@@ -101,10 +101,10 @@ def store(key: str, step: StepMemory) -> None:
         logger.debug("KV-cache sizing: could not keep the profiled step in %s (%s)", path, exc)
 
 
-def step_memory(key: str, measure: Callable[[], StepMemory]) -> tuple[StepMemory, bool]:
+def step_memory(key: str, measure: Callable[[], StepMemory], enabled: bool = True) -> tuple[StepMemory, bool]:
     """(the step's memory, whether it came from the cache): read back under `key`, else `measure()`d and kept.
-    With TORPOR_KV_PROFILE_CACHE=0 always measured (and not kept)."""
-    if not Env.read().kv_profile_cache:
+    Not `enabled` (EngineConfig.kv_profile_cache False): always measured, and not kept."""
+    if not enabled:
         return measure(), False
     found = load(key)
     if found is not None:

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from torpor.env import Env
 from torpor.memory import cuda_driver
 from torpor.memory.cuda_driver import CudaDriverError, VirtualMemory
 from torpor.memory.host_buffer import HostBuffer
@@ -81,7 +80,7 @@ class CudaBackend(SegmentStore):
 
     def __init__(self, device_index: int, host_backup: str = "pinned",
                  max_host_bytes: int | None = None,
-                 on_new_segment: Callable[[str, int], None] | None = None) -> None:
+                 on_new_segment: Callable[[str, int], None] | None = None, piece_bytes: int = 64 << 20) -> None:
         super().__init__(max_host_bytes)
         self.device_index = device_index
         self.host_backup = host_backup
@@ -91,8 +90,7 @@ class CudaBackend(SegmentStore):
             cuda_driver.make_primary_context_current(device_index)
             self.vm = VirtualMemory(device_index)
             self._stream = cuda_driver.stream_create()
-        piece = Env.read().wake_piece_mib << 20
-        self.piece_bytes = self.vm.round_up(piece) if piece else 0
+        self.piece_bytes = self.vm.round_up(piece_bytes) if piece_bytes else 0
         self.pools: dict[str, torch.cuda.MemPool] = {}
         self._scopes = threading.local()  # per thread: stack of active use_mem_pool contexts
         self.callback_errors: list[str] = []

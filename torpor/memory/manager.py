@@ -42,13 +42,19 @@ class MemoryManager:
         max_host_bytes: cap on the host memory held for offloaded copies; a sleep that would
             exceed it raises HostMemoryError and leaves everything awake.
         backup_dir: CPU only: where offloaded bytes are written (default: the temp directory).
+        wake_piece_mib: CUDA only: a segment woken without a copy (discarded, zero-filled) is mapped in
+            pieces of this many MiB, so its refill starts before the whole segment is mapped (0: whole);
+            64 measured best on an H200 (docs/benchmarks.md).
     """
 
     def __init__(self, device: str | torch.device = "cuda", *, host_backup: str = "pinned",
-                 max_host_bytes: int | None = None, backup_dir: str | None = None) -> None:
+                 max_host_bytes: int | None = None, backup_dir: str | None = None,
+                 wake_piece_mib: int = 64) -> None:
         device = torch.device(device)
         if host_backup not in HOST_BACKUPS:
             raise ValueError(f"host_backup must be one of {HOST_BACKUPS}, got {host_backup!r}")
+        if isinstance(wake_piece_mib, bool) or not isinstance(wake_piece_mib, int) or wake_piece_mib < 0:
+            raise ValueError(f"wake_piece_mib must be an int >= 0, got {wake_piece_mib!r}")
         close_deferred()  # managers collected on a torpor thread since (see __del__)
         self._lock = threading.RLock()  # serializes sleep, wake and tag-state changes
         self._scope_guard: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -70,7 +76,7 @@ class MemoryManager:
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
-            self._backend = CudaBackend(index, host_backup, max_host_bytes, hook)
+            self._backend = CudaBackend(index, host_backup, max_host_bytes, hook, wake_piece_mib << 20)
             # See cuda_backend: scopes and every call that takes PyTorch's allocator lock while
             # holding the GIL are serialized process-wide, so they never meet a callback.
             self._lock = self._scope_guard = ALLOCATION_LOCK

@@ -73,11 +73,8 @@ class TritonAttentionBackend:
         self._step: _PrefillStep | None = None
 
     def decode_group_size(self, num_q_heads: int, num_kv_heads: int) -> int:
-        """Sequences the decode kernel computes a shared prefix for at once (DecodeBuffers' max_group_members);
-        0 with TORPOR_DECODE_PREFIXES=0: every sequence reads its whole context itself."""
-        from torpor.env import Env
-
-        return self._max_group_members(num_q_heads, num_kv_heads) if Env.read().decode_prefixes else 0
+        """Sequences the decode kernel computes a shared prefix for at once (DecodeBuffers' max_group_members)."""
+        return self._max_group_members(num_q_heads, num_kv_heads)
 
     def forward(
         self,

@@ -31,15 +31,15 @@ from torch import nn
 from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import check_finite, load_failed, plan_checkpoint
 from torpor.engine.weights.staging import StagingBuffers, copy_reads, prepare_reads, usable_cpus
-from torpor.env import Env
 
 logger = logging.getLogger("torpor.engine")
 
 
 def beside_threads(staging: StagingBuffers) -> int:
-    """Reader threads of a load beside the start-up: TORPOR_LOAD_THREADS, else half the staging's (they copy
-    from the page cache at the cores' speed and would take the cores the graph capture's Python needs)."""
-    return Env.read().load_threads or max(1, min(staging.threads, usable_cpus()) // 2)
+    """Reader threads of a load beside the start-up: EngineConfig.load_threads when given, else half the
+    staging's (they copy from the page cache at the cores' speed and would take the cores the graph capture's
+    Python needs)."""
+    return staging.threads if staging.threads_given else max(1, min(staging.threads, usable_cpus()) // 2)
 
 
 class BackgroundLoad:

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from torpor.engine.weights.index import CheckpointError, PlannedCopy, TensorEntry
-from torpor.env import Env
 from torpor.memory.cuda_driver import CudaDriverError
 from torpor.memory.host_buffer import HostBuffer
 
@@ -94,7 +93,8 @@ class StagingBuffers:
         self.keep = on_gpu if keep is None else keep
         self.buffer_bytes = buffer_bytes or (BUFFER_BYTES if on_gpu else CPU_BUFFER_BYTES)
         self.count = count or (BUFFER_COUNT if on_gpu else CPU_BUFFER_COUNT)
-        self.threads = threads or Env.read().load_threads or max(1, min(self.count, usable_cpus()))
+        self.threads_given = bool(threads)  # EngineConfig.load_threads: used as given, beside the start-up too
+        self.threads = threads or max(1, min(self.count, usable_cpus()))
         self.kind = "pinned" if self.device.type == "cuda" else "pageable"
         self.buffers: list[HostBuffer] = []
         self._prefetch: threading.Thread | None = None
