@@ -9,6 +9,7 @@ import time
 import torch
 from torch import nn
 
+from torpor.engine import phase_times
 from torpor.engine.inputs import DecodeBuffers
 
 logger = logging.getLogger("torpor.engine")
@@ -67,3 +68,4 @@ def _log_capture(batch_size: int, warm_up_s: float, capture_s: float) -> None:
     the device finished it) of the first, largest size also carries the start-up's first uses: Triton's
     kernels loaded from its cache, cuBLASLt's plans (when the KV sizing was read back, no step ran before)."""
     logger.debug("cuda graph batch size %d: warm-up %.3f s, capture %.3f s", batch_size, warm_up_s, capture_s)
+    phase_times.add("cuda_graph_warm_up", warm_up_s)

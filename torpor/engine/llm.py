@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
 
 import torch
 
+from torpor.engine import phase_times
 from torpor.engine.config import DTYPE_ALIASES, EngineConfig
 from torpor.engine.generation_config import generation_defaults
 from torpor.engine.llm_engine import EngineState, LLMEngine
@@ -20,6 +22,20 @@ from torpor.engine.sampling_params import SamplingParams
 from torpor.lazy import collector_paused
 
 Prompt = str | list[int]  # or vLLM's dict prompts: {"prompt": text} / {"prompt_token_ids": [ids]}
+
+
+def _recording_startup(init):
+    """`LLM.__init__` with `startup_phases` kept: seconds per start-up phase (cuda_init, model_build,
+    weight_load_plan, kv_cache_sizing, cuda_graph_capture, ..., weight_load_beside: the load's own thread; total),
+    what a restart costs instead of a wake (rank 0's, under tensor parallelism)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs) -> None:
+        with phase_times.collect() as startup:
+            init(self, *args, **kwargs)
+        self.startup_phases: dict[str, float] = startup
+
+    return wrapper
 
 
 class LLM:
@@ -47,6 +63,7 @@ class LLM:
     """
 
     @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
+    @_recording_startup
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,

@@ -69,9 +69,11 @@ def debug_logging() -> None:
 
 @contextlib.contextmanager
 def timed_phase(name: str) -> Iterator[None]:
-    """Log, at debug level on `torpor.engine`, how long one start-up phase took."""
+    """One start-up phase: its seconds in the start-up's record (`LLM.startup_phases`) and, at debug level, on
+    `torpor.engine`."""
     start = time.perf_counter()
-    yield
+    with phase(name):
+        yield
     logger.debug("start-up phase %s: %.3f s", name, time.perf_counter() - start)
 
 

@@ -1,4 +1,5 @@
-"""Where the time of one engine operation goes, phase by phase (a weight push's decode, check, copy, ...).
+"""Where the time of one engine operation goes, phase by phase (a weight push's decode, check, copy, ...; an
+engine's start-up: `LLM.startup_phases`).
 
 `collect()` opens a record for the current thread of control; code deeper down marks its phases with
 `phase(name)` without being handed the record (a no-op when nobody collects: a `perf_counter` pair and a
@@ -42,3 +43,10 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         record[name] = record.get(name, 0.0) + time.perf_counter() - start
+
+
+def add(name: str, seconds: float) -> None:
+    """Add `seconds` measured elsewhere (another thread's work) to `name` in the record being collected, if any."""
+    record = _current.get()
+    if record is not None:
+        record[name] = record.get(name, 0.0) + seconds

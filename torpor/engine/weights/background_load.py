@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torpor.engine import phase_times
 from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import check_finite, load_failed, plan_checkpoint
 from torpor.engine.weights.staging import StagingBuffers, copy_reads, prepare_reads, usable_cpus
@@ -89,6 +90,7 @@ class BackgroundLoad:
                      self._nbytes / 1e9 / max(seconds, 1e-9), time.perf_counter() - joined)
         logger.debug("weight load beside the start-up: %.3f s, waited for %.3f s (%d reader threads)",
                      self._copied - self._start, joined - waited, self.threads)
+        phase_times.add("weight_load_beside", self._copied - self._start)  # the load's own thread
 
     def abandon(self) -> None:
         """The start-up failed meanwhile: wait for the copies (they write into the parameters), drop any error."""
