@@ -10,10 +10,11 @@ from collections.abc import Sequence as SequenceABC
 
 import torch
 
-from torpor.engine import phase_times
+from torpor.engine import phase_times, rpc
 from torpor.engine.config import DTYPE_ALIASES, EngineConfig
 from torpor.engine.generation_config import generation_defaults
-from torpor.engine.llm_engine import EngineState, LLMEngine
+from torpor.engine.lifecycle import EngineState
+from torpor.engine.llm_engine import LLMEngine
 from torpor.engine.model_path import resolve_model
 from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.models import ModelConfig
@@ -98,7 +99,7 @@ class LLM:
             with timed_phase("memory_manager"):
                 memory = MemoryManager(config.device)
         self.engine = LLMEngine(config, memory, worker_memory_options)
-        self.memory = self.engine.memory  # under tensor parallelism: sleep and wake reach every rank
+        self.memory = self.engine.memory  # rank 0's; sleep and wake reach every rank through the engine
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         # One engine, many threads: steps, sleeps and wakes take turns; generate waits while asleep.
@@ -215,9 +216,9 @@ class LLM:
             return self.engine.memory_usage()
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes and free rank 0's CUDA graphs and GEMM workspace;
-        the LLM cannot generate afterwards. The one call that proceeds while a server serves the engine
-        (a shutdown must always be able to give its resources back: stop the server first)."""
+        """Stop the tensor-parallel worker processes and free the CUDA graphs, the GEMM workspace and the update
+        groups; the LLM cannot generate afterwards (generate then raises). The one call that proceeds while a server
+        serves the engine (a shutdown must always be able to give its resources back: stop the server first)."""
         with self._lock:
             self.engine.close()
 
@@ -252,15 +253,18 @@ class LLM:
         """SamplingParams with the model's generation_config.json defaults (EngineConfig.generation_config)."""
         return SamplingParams(**self._generation_defaults)
 
-    def collective_rpc(self, method: str, args: tuple | list = (), kwargs: dict | None = None) -> list:
-        """Call an engine method by name, vLLM's way: "sleep", "wake_up", "reload_weights",
-        "update_weights", "is_sleeping" or "memory_usage" (see rpc.py). Returns one result per rank:
-        the method runs once and reaches every tensor-parallel rank, so each entry is that result.
+    def collective_rpc(self, method, args: tuple | list = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """vLLM's `collective_rpc`: one result per rank. The engine's own operations by name ("sleep", "wake_up",
+        "reload_weights", "update_weights", "is_sleeping", "memory_usage", the weight-update calls: see rpc.py) run
+        once and reach every rank themselves, so each entry is that result; any other name is a Worker method (a
+        worker extension's included), and a callable is called with each rank's Worker first, on every rank.
         ValueError names an unknown method or bad arguments."""
-        from torpor.engine import rpc
-
-        result = rpc.call(self, method, args, kwargs)
-        return [result] * self.config.tensor_parallel_size
+        if isinstance(method, str) and method in rpc.METHODS:
+            result = rpc.call(self, method, args, kwargs)
+            return [result] * self.config.tensor_parallel_size
+        with self._driving():
+            return self.engine.collective_rpc(method, tuple(args), kwargs, timeout)
 
     def _for_python(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
         """`output` with `{id: Logprob}` logprobs (vLLM's shape) when any were asked for."""
@@ -273,47 +277,38 @@ class LLM:
         """Forget every KV block cached for prefix reuse (vLLM's name); True when done."""
         with self._driving():
             return self.engine.reset_prefix_cache()
-    # ---- weights from a trainer process (SGLang's names; see weight_transfer.py) -------------
+    # ---- weights from a trainer process (SGLang's names; see weights/receiver.py) --------------
     def update_weights_from_tensor(self, named_tensors=None, load_format: str | None = None,
                                    flush_cache: bool = True, serialized_named_tensors: list[str] | None = None) -> int:
         """New weights by reference: `named_tensors` ((name, tensor) pairs, or with load_format
-        "flattened_bucket" a {"flattened_tensor", "metadata"} dict), or SGLang's `serialized_named_tensors`
-        (base64 ForkingPickler payloads, one per rank; CUDA IPC or shared memory). Checked before anything
-        is written; returns the number of tensors loaded."""
-        from torpor.engine import weight_transfer
-
+        "flattened_bucket" a {"flattened_tensor", "metadata"} dict, or a list of such buckets), or SGLang's
+        `serialized_named_tensors` (base64 ForkingPickler payloads, one per rank; CUDA IPC or shared memory).
+        Checked before anything is written; returns the number of tensors loaded."""
         with self._driving():
-            count = weight_transfer.update_weights_from_tensor(self.engine, serialized_named_tensors, load_format,
-                                                               flush_cache, named_tensors)
+            count = self.engine.update_weights_from_tensor(serialized_named_tensors, load_format, flush_cache,
+                                                           named_tensors)
             self._lock.notify_all()
             return count
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str | None = None, timeout: float = 120.0) -> None:
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout: float = 120.0) -> None:
         """Join the trainer's process group `group_name` as rank `rank_offset` (+ tp rank), gloo or NCCL."""
-        from torpor.engine import weight_transfer
-
         with self._driving():
-            weight_transfer.init_weights_update_group(self.engine, master_address, master_port, rank_offset,
-                                                      world_size, group_name, backend, timeout)
+            self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                                  backend, timeout)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
-                                        group_name: str, flush_cache: bool = True) -> int:
+                                        group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
         """Receive the trainer's rank-0 broadcast of each named tensor, in order, then load them all."""
-        from torpor.engine import weight_transfer
-
         with self._driving():
-            count = weight_transfer.update_weights_from_distributed(self.engine, names, dtypes, shapes, group_name,
-                                                                    flush_cache)
+            count = self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)
             self._lock.notify_all()
             return count
 
-    def destroy_weights_update_group(self, group_name: str) -> None:
-        from torpor.engine import weight_transfer
-
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         with self._driving():
-            weight_transfer.destroy_weights_update_group(self.engine, group_name)
-
+            self.engine.destroy_weights_update_group(group_name)
 
 def _prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str | dict):

@@ -1,36 +1,56 @@
-"""The engine loop: requests in, one scheduled batch per `step`, outputs (with their text) out.
+"""The engine loop: requests in, one scheduled batch per `step`, outputs (with their text) out; sleep, wake and
+every write to the weights.
 
-`LLMEngine` is also the one place that holds the engine's state: `state()` (serving, sleep level,
-weights validity, per-tag state) and `memory_usage()` (every tensor-parallel rank). Both front ends,
-`LLM` and the server's `AsyncEngine`, read only these. Output text is built here too, once per request
+`LLMEngine` holds a tokenizer, an `Executor` (one `Worker` per rank: the model, its memory, its device state),
+the `Scheduler`, the `Lifecycle` (the one owner of serving / asleep / paused / weights-whole state, which the
+scheduler asks whether to step) and the `WeightReceiver` (every write to the weights). Both front ends, `LLM` and
+the server's `AsyncEngine`, call only its public methods. Output text is built here too, once per request
 (`tokenizer.OutputText`): streamed deltas already respect stop strings.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from torpor.engine.config import EngineConfig
-from torpor.engine.model_runner import ModelRunner, debug_logging, timed_phase
+from torpor.engine.executor import Executor, make_executor
+from torpor.engine.lifecycle import (
+    EngineState,
+    Lifecycle,
+    LifecycleError,
+    SleepPlan,
+    check_mode,
+    check_tags,
+)
+from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.outputs import RequestOutput
-from torpor.engine.phase_times import phase
 from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import FINISHED, Sequence
-from torpor.engine.sleep_mode import LEVELS, SleepMode, WakeResult
 from torpor.engine.tokenizer import OutputText, Tokenizer
+from torpor.engine.weights.manifest import Manifest
+from torpor.engine.weights.receiver import PushPosition, WeightReceiver, weight_names
+from torpor.engine.worker import Worker
 from torpor.lazy import collector_paused
-from torpor.memory import CheckpointError, CheckpointUnsupportedError, Report
+from torpor.memory import CheckpointError as ContextCheckpointError
+from torpor.memory import CheckpointUnsupportedError, Report
 
 logger = logging.getLogger("torpor.engine")
+DEFAULT_GROUP_TIMEOUT_S = 120.0
 
-SLEEP_MODES = ("wait", "abort")
+
+@dataclass(frozen=True)
+class WakeResult:
+    """What a `wake_up` did: the memory report, which tags woke, and whether the engine serves."""
+
+    report: Report | None
+    woken: tuple[str, ...]
+    serving: bool
 
 
 class RequestError(ValueError):
@@ -40,37 +60,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, field: str, code: str | None = None) -> None:
         super().__init__(message)
         self.field, self.code = field, code
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """What the engine does now: the one state both front ends show."""
-
-    serving: bool                 # requests run: awake (no sleep level) and the weights valid
-    sleep_level: int | None       # None = awake; 0 = paused; 1, 2 = memory released; 3, 4 = and the context
-    weights_valid: bool           # False from a level-2 sleep until reload_weights / update_weights
-    tags: dict[str, str]          # memory tag -> "awake" | "asleep" (empty without sleep mode)
-    num_running: int = 0          # requests in the running batch
-    num_waiting: int = 0          # requests queued (new or preempted)
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.sleep_level is not None
-
-    def not_serving_reason(self) -> str | None:
-        """What stops requests from running and what to call about it; None while serving."""
-        if self.serving:
-            return None
-        asleep = [tag for tag, state in self.tags.items() if state == "asleep"]
-        reload = "reload_weights() or update_weights() (HTTP: /reload_weights)"
-        if self.sleep_level is None:
-            return (f"the weights are not valid (discarded by sleep(level=2), or a reload or update failed after "
-                    f"writing part of them) and every tag is awake: call {reload}")
-        if self.sleep_level == 0:
-            return "the engine is paused (sleep level 0): call wake_up() (HTTP: /wake_up)"
-        wake = (f"the engine sleeps (level {self.sleep_level}; asleep: {', '.join(asleep)}): call wake_up() "
-                f"(HTTP: /wake_up)")
-        return wake if self.weights_valid else f"{wake}, then {reload}"
 
 
 @dataclass
@@ -104,33 +93,31 @@ def _text_token_ids(seq: Sequence) -> list[int]:
     return ids[:-1] if stopped_by_token and not seq.sampling_params.include_stop_str_in_output else ids
 
 
-WEIGHTS_INVALID = ("the weights are invalid: a reload or update failed after writing part of them; call "
-                   "reload_weights() or a complete update_weights() before generating")
-
-
 class LLMEngine:
-    """Tokenizer, scheduler and model runner; detokenizes outputs, applies stop strings, sleeps and wakes."""
+    """Tokenizer, executor, scheduler, lifecycle and weight receiver; detokenizes outputs, applies stop strings,
+    sleeps and wakes."""
 
     @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
-    def __init__(self, config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None) -> None:
-        """`worker_memory_options` (tensor parallel only): rank -> MemoryManager kwargs of that worker."""
+    def __init__(self, config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None,
+                 worker_cls: type[Worker] = Worker) -> None:
+        """`memory`: rank 0's MemoryManager (None: no sleep mode); `worker_memory_options` (tensor parallel only):
+        rank -> MemoryManager kwargs of that worker; `worker_cls`: the Worker class of every rank (a worker
+        extension mixed in)."""
         debug_logging()
         with timed_phase("tokenizer"):
             self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
-        if config.tensor_parallel_size > 1:
-            from torpor.engine.parallel_runner import ParallelModelRunner
-
-            self.model_runner = ParallelModelRunner(config, memory, worker_memory_options)
-            memory = self.model_runner.memory  # sleep and wake reach every rank
-        else:
-            self.model_runner = ModelRunner(config, memory)
-        self.memory = memory
-        self.sleep_mode = SleepMode(memory) if memory is not None else None
-        self._pending: list[RequestOutput] = []  # produced outside `step` (drained or aborted by a sleep)
-        self.config = self.model_runner.config  # with the profiled number of KV blocks
-        model_config = self.model_runner.model_config
+        self.executor: Executor = make_executor(config, memory, worker_memory_options, worker_cls)
+        driver = self.executor.driver
+        self.memory = memory  # rank 0's (the queries read it; sleep and wake reach every rank through the executor)
+        self.config = self.executor.config  # with the profiled number of KV blocks
+        model_config = driver.runner.model_config
         self.vocab_size = model_config.vocab_size
-        self.scheduler = Scheduler(self.config, model_config.eos_token_ids)
+        manifest, ignored = Manifest.of_checkpoint(config.model), driver.runner.model.is_ignored_weight
+        tags = memory.tags() if memory is not None else []
+        self.lifecycle = Lifecycle(tags, weight_names(manifest, ignored))
+        self.scheduler = Scheduler(self.config, model_config.eos_token_ids, self.lifecycle)
+        self.weights = WeightReceiver(self.executor, self.lifecycle, manifest, ignored, self.reset_prefix_cache)
+        self._pending: list[RequestOutput] = []  # produced outside `step` (drained or aborted by a sleep)
         self._requests: dict[str, _Request] = {}
         self._request_ids = itertools.count()
         # Who drives this engine besides its own caller: set while a server's engine thread owns it (that
@@ -229,31 +216,31 @@ class LLMEngine:
         return bool(self._pending)
 
     def has_work(self) -> bool:
-        """Whether `step` would run something: the engine serves and a request waits or runs."""
-        return self.serving and not self.scheduler.is_finished()
+        """Whether `step` would run something: a request runs, or waits and may start."""
+        return self.scheduler.has_runnable()
 
     def close(self) -> None:
-        """Free the CUDA graphs and the GEMM workspace and stop the tensor-parallel workers; the engine
-        cannot run afterwards."""
-        from torpor.engine.weight_transfer import destroy_all_groups
+        """Stop every rank (the tensor-parallel workers too), free the CUDA graphs, the GEMM workspace and the update
+        groups; the engine cannot run afterwards."""
+        self.executor.close()
 
-        destroy_all_groups(getattr(self.model_runner, "local", self.model_runner))  # workers' go with them
-        self.model_runner.close()
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """A Worker method (by name, worker extensions' included) or a function of the Worker, on every rank; one
+        result per rank."""
+        return self.executor.collective_rpc(method, tuple(args), kwargs, timeout)
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule a batch, run it, record the tokens; returns the outputs of this step (finished requests,
-        and streamed ones that gained tokens) and any a sleep produced meanwhile. Runs nothing while the
-        engine does not serve."""
-        if not self.model_runner.weights_valid and not self.scheduler.paused and not self.scheduler.is_finished():
-            raise RuntimeError(WEIGHTS_INVALID)  # (with sleep mode the scheduler is paused instead)
+        """Schedule a batch, run it, record the tokens; returns the outputs of this step (finished requests, and
+        streamed ones that gained tokens) and any a sleep produced meanwhile. Runs nothing unless the lifecycle
+        lets the scheduler run."""
+        self._check_health()
         outputs, self._pending = self._pending, []
-        if self.context_released:
-            return outputs  # no CUDA call while the context is checkpointed (the scheduler is paused anyway)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return outputs
-        output = self.model_runner.run(seqs, is_prefill)
+        output = self.executor.execute_model(seqs, is_prefill)
         self.scheduler.postprocess(seqs, output.token_ids, output.logprobs)
         return outputs + self._outputs(seqs)
 
@@ -313,143 +300,100 @@ class LLMEngine:
     # ---- state -------------------------------------------------------------------------
     @property
     def serving(self) -> bool:
-        """Requests run: no sleep level and the weights valid."""
-        mode = self.sleep_mode
-        awake = mode is None or (mode.level is None and not mode.weights_discarded)
-        return awake and self.model_runner.weights_valid
+        """Requests run: awake, every tag awake, the weights whole, no update in progress, not paused."""
+        self._check_health()
+        return self.lifecycle.serving
 
     def is_sleeping(self) -> bool:
-        return self.sleep_mode is not None and self.sleep_mode.level is not None
+        return self.lifecycle.level is not None
 
     def state(self) -> EngineState:
-        """Serving, sleep level, weights validity and per-tag state, read together."""
-        mode = self.sleep_mode
-        tags = {} if mode is None else {t: "asleep" if self.memory.is_sleeping(t) else "awake" for t in mode.tags}
-        weights_valid = (mode is None or not mode.weights_discarded) and self.model_runner.weights_valid
-        return EngineState(serving=self.serving, sleep_level=None if mode is None else mode.level,
-                           weights_valid=weights_valid, tags=tags,
-                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+        """Serving, sleep level, weights, per-tag state and the queue, read together."""
+        self._check_health()
+        return self.lifecycle.state(len(self.scheduler.running), len(self.scheduler.waiting))
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve now (a dead or stopped tensor-parallel worker), or None."""
+        self._check_health()
+        return self.lifecycle.broken or self.executor.health()
+
+    def _check_health(self) -> None:
+        broken = self.executor.broken()
+        if broken is not None:
+            self.lifecycle.break_(broken)
 
     def memory_usage(self) -> dict:
-        """Per-tag bytes and states, the sleep level, the device memory in use (rank 0's device); under
-        tensor parallelism also "ranks": each rank's device, its memory in use and its tags."""
-        mode = self._sleep_mode()
+        """Per-tag bytes and states, the sleep level, the device memory in use (rank 0's device); under tensor
+        parallelism also "ranks": each rank's device, its memory in use and its tags."""
+        if self.memory is None:
+            raise LifecycleError("sleep mode is off: build the engine with a MemoryManager (enable_sleep_mode)")
         tags = {tag: asdict(usage) for tag, usage in self.memory.usage().items()}
-        reservation = self.host_reservation
-        usage = {"level": mode.level, "device_used_bytes": self.memory.device_used_bytes(),
-                 "weights_discarded": mode.weights_discarded, "context_released": mode.context_released,
+        reservation, lc = self.host_reservation, self.lifecycle
+        usage = {"level": lc.level, "device_used_bytes": self.memory.device_used_bytes(),
+                 "weights_discarded": not lc.weights_whole, "context_released": lc.context_released,
                  "host_backup_bytes": sum(t["host_backup_bytes"] for t in tags.values()),
                  "host_reservation": None if reservation is None else
                  {"done": reservation.done, "reserved_bytes": reservation.reserved_bytes,
                   "error": None if reservation.error is None else str(reservation.error)},
                  "tags": tags}
-        rank_usage = getattr(self.model_runner, "rank_usage", None)
-        if rank_usage is not None:
-            usage["ranks"] = rank_usage()
+        if self.executor.world_size > 1:
+            usage["ranks"] = self.executor.collective_rpc("info")
         return usage
 
-    def _sync_scheduler(self) -> None:
-        """The scheduler runs exactly when the engine serves (the one rule; called after every change)."""
-        self.scheduler.resume()  # also ends a drain
-        if not self.serving:
-            self.scheduler.pause()
-
-    # ---- sleep mode (see sleep_mode.py) ------------------------------------------------
+    # ---- sleep and wake (the levels and the tag table: lifecycle.py) ----------------------
     def sleep(self, level: int = 1, mode: str = "wait") -> Report | None:
-        """Level 0 pauses scheduling; 1 and 2 also release memory; 3 and 4 are 1 and 2 plus the CUDA context
-        (see sleep_mode.py). Running requests are finished first (`mode="wait"`, new ones are not started)
-        or aborted (`"abort"`); their outputs come out of the next `step`. A sleep that deepens nothing is a
-        no-op (None). A sleep that fails leaves the engine as it was before (same level, serving if it
-        served); level 3/4's preconditions are checked before anything is touched."""
-        sleep_mode = self._sleep_mode()
-        if mode not in SLEEP_MODES:
-            raise ValueError(f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
-        plan = sleep_mode.plan(level)
+        """Level 0 pauses scheduling; 1 and 2 also release memory; 3 and 4 are 1 and 2 plus the CUDA context.
+        Running requests are finished first (`mode="wait"`, new ones are not started) or aborted (`"abort"`); their
+        outputs come out of the next `step`. A sleep that deepens nothing is a no-op (None). A sleep that fails leaves
+        the engine as it was before (same level, serving if it served); level 3/4's preconditions are checked before
+        anything is touched. A weight update in progress ends first, as a failure (its old weights come back when
+        they can)."""
+        check_mode(mode)
+        lc = self.lifecycle
+        plan = lc.plan_sleep(level)
         if plan is None:
             return None
-        release = sleep_mode.releases_context(level)
-        if release and not sleep_mode.context_released:
+        self._check_no_receive("sleep")
+        if plan.release_context and not lc.context_released:
             self._check_context_release(level)
-        if plan and not sleep_mode.context_released:
-            self.memory.check_sleep(plan)  # a sleep bound to fail must not settle (abort) requests first
-        before = sleep_mode.level
-        with self._transfers_held(drop="weights" in plan or release):
+        if plan.actions and not lc.context_released:
+            self.executor.driver.check_sleep(plan.actions)  # a sleep bound to fail must not abort requests first
+        return self._sleep(plan, mode)
+
+    def release_tags(self, tags: Iterable[str], mode: str = "wait") -> Report | None:
+        """Release only `tags`, each with its level-1 action (SGLang's `release_memory_occupation`): the engine
+        pauses as at level 1 and a `wake_up` naming them (or all) restores them. Tags that do not exist on this
+        device or already sleep are skipped; None when nothing is released."""
+        check_mode(mode)
+        plan = self.lifecycle.plan_release(check_tags(list(tags)))
+        if plan is None:
+            return None
+        self._check_no_receive("release_memory_occupation")
+        self.executor.driver.check_sleep(plan.actions)
+        return self._sleep(plan, mode)
+
+    def _sleep(self, plan: SleepPlan, mode: str) -> Report | None:
+        lc, before = self.lifecycle, self.lifecycle.level
+        with self.weights.held(drop=plan.drops_weights):
+            self.weights.abandon(None, "a sleep came before the update ended")
             try:
-                if sleep_mode.level in (None, 0):  # requests may be running
+                if lc.level in (None, 0):  # requests may be running
                     self._settle_running(mode)
-                if sleep_mode.context_released and plan:
+                if lc.context_released and plan.actions:
                     self._restore_context()  # dropping host copies needs the context
-                report = self.memory.sleep(plan) if plan else None
+                report = self.executor.sleep(plan.actions) if plan.actions else None
             except BaseException:
-                # The failed sleep may have discarded the KV cache before it rolled back (zeroed blocks): the
-                # prefix cache must not serve them. Nothing runs now (running requests were settled above).
+                # The failed sleep may have discarded the KV cache before it rolled back (zeroed blocks): the prefix
+                # cache must not serve them. Nothing runs now (running requests were settled above).
                 self.reset_prefix_cache()
-                self._sync_scheduler()  # the level did not change: the scheduler goes back to what it did
+                lc.end_drain()
                 raise
-            sleep_mode.after_sleep(level)
-            self._sync_scheduler()
-            if self.model_runner.device.type == "cuda" and plan:
+            lc.slept(plan)
+            if self.memory is not None and self.memory.device.type == "cuda" and plan.actions:
                 torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
-            if release:
-                self._release_context(level, before)
+            if plan.release_context:
+                self._release_context(plan, before)
         return report
-
-    @contextlib.contextmanager
-    def _transfers_held(self, drop: bool) -> Iterator[None]:
-        """While a sleep or wake changes the memory (and, at levels 3/4, the CUDA context), no trainer payload is
-        opened off the engine thread (`WeightReceiver.held`); with `drop` (the weights or the context go),
-        payloads opened for a copy still to come are released first: they answer 409, nothing is written."""
-        receiver = getattr(self, "_weight_receiver", None)
-        if receiver is None:
-            yield
-            return
-        with receiver.held(drop):
-            yield
-
-    def _check_context_release(self, level: int) -> None:
-        """Level 3/4's preconditions: one CUDA device per engine process, the driver's checkpoint API."""
-        if self.model_runner.device.type != "cuda":
-            raise CheckpointUnsupportedError(
-                f"sleep level {level} releases the CUDA context; this engine runs on {self.model_runner.device}, "
-                "which has none (levels 0-2 work on every device)")
-        if self.config.tensor_parallel_size > 1:
-            raise CheckpointUnsupportedError(
-                f"sleep level {level} releases the CUDA context through the driver's checkpoint API, which does "
-                "not support several processes sharing memory (tensor parallel): such an engine sleeps at levels 0-2")
-        self.memory.check_checkpoint()
-
-    def _release_context(self, level: int, before: int | None) -> None:
-        """Checkpoint the context after the tags slept. On failure the tags' sleep is undone where it can be
-        (level 3 from awake: the engine serves again); a level-4 sleep stays at level 2 (weights discarded)."""
-        sleep_mode = self.sleep_mode
-        try:
-            self.memory.checkpoint_context()
-        except Exception as exc:
-            if self.memory.is_context_checkpointed():  # stuck checkpointed: only a wake's restore may help
-                sleep_mode.after_sleep(level, context_released=True)
-                state = f"the engine stays asleep at level {sleep_mode.level}: wake_up() retries the restore"
-            elif before is None and not sleep_mode.weights_discarded:
-                self.memory.wake()
-                self.scheduler.reset_blocks()  # the KV cache came back zeroed
-                sleep_mode.level = None
-                state = "the engine is awake and serving as before"
-            else:
-                state = (f"the engine stays asleep at level {sleep_mode.level}" + (
-                    " (weights discarded: wake_up() then reload_weights())" if sleep_mode.weights_discarded else ""))
-            self._sync_scheduler()
-            raise CheckpointError(f"sleep level {level}: releasing the CUDA context failed ({exc}); {state}") from exc
-        sleep_mode.after_sleep(level, context_released=True)
-        self._sync_scheduler()
-
-    def _restore_context(self) -> None:
-        """Restore the checkpointed context (before any tag is touched). On failure it stays checkpointed."""
-        self.memory.restore_context()
-        self.sleep_mode.context_released = False
-
-    @property
-    def context_released(self) -> bool:
-        """Whether the CUDA context is checkpointed (level 3/4 until a wake): nothing may make a CUDA call."""
-        return self.sleep_mode is not None and self.sleep_mode.context_released
 
     def _settle_running(self, mode: str) -> None:
         if mode == "abort":
@@ -458,131 +402,115 @@ class LLMEngine:
                 if output is not None:
                     self._pending.append(output)
             return
-        self.scheduler.resume()
-        self.scheduler.drain()
-        while self.scheduler.running:
-            self._pending = self.step()  # step hands back what was pending plus what it produced
+        self.lifecycle.start_drain()
+        try:
+            while self.scheduler.running:
+                self._pending = self.step()  # step hands back what was pending plus what it produced
+        finally:
+            self.lifecycle.end_drain()
+
+    def _check_no_receive(self, what: str) -> None:
+        receiving = self.weights.receiving()
+        if receiving:
+            raise LifecycleError(f"{what}: weights update group(s) {receiving} are receiving a trainer's broadcasts; "
+                                 "call it once update_weights_from_distributed has answered")
+
+    def _check_context_release(self, level: int) -> None:
+        """Level 3/4's preconditions: one CUDA device per engine process, the driver's checkpoint API."""
+        device = self.executor.driver.device
+        if device.type != "cuda":
+            raise CheckpointUnsupportedError(
+                f"sleep level {level} releases the CUDA context; this engine runs on {device}, which has none "
+                "(levels 0-2 work on every device)")
+        if self.executor.world_size > 1:
+            raise CheckpointUnsupportedError(
+                f"sleep level {level} releases the CUDA context through the driver's checkpoint API, which does "
+                "not support several processes sharing memory (tensor parallel): such an engine sleeps at levels 0-2")
+        self.executor.driver.check_checkpoint()
+
+    def _release_context(self, plan: SleepPlan, before: int | None) -> None:
+        """Checkpoint the context after the tags slept. On failure the tags' sleep is undone where it can be
+        (level 3 from awake: the engine serves again); a level-4 sleep stays at level 2 (weights discarded)."""
+        driver, lc = self.executor.driver, self.lifecycle
+        try:
+            driver.checkpoint_context()
+        except Exception as exc:
+            if driver.is_context_checkpointed():  # stuck checkpointed: only a wake's restore may help
+                lc.context_checkpointed(plan)
+                state = f"the engine stays asleep at level {lc.level}: wake_up() retries the restore"
+            elif before is None and lc.weights_whole:
+                woken = [t for t in lc.tags if lc.is_asleep(t)]
+                self.executor.wake(woken)
+                self.scheduler.reset_blocks()  # the KV cache came back zeroed
+                lc.woke(woken)
+                state = "the engine is awake and serving as before"
+            else:
+                state = (f"the engine stays asleep at level {lc.level}" + (
+                    " (weights discarded: wake_up() then reload_weights())" if not lc.weights_whole else ""))
+            raise ContextCheckpointError(f"sleep level {plan.level}: releasing the CUDA context failed ({exc}); "
+                                         f"{state}") from exc
+        lc.context_checkpointed(plan)
+
+    def _restore_context(self) -> None:
+        """Restore the checkpointed context (before any tag is touched). On failure it stays checkpointed."""
+        self.executor.driver.restore_context()
+        self.lifecycle.context_restored()
 
     def wake_up(self, tags: list[str] | None = None) -> WakeResult:
-        """Wake `tags` (all when None); any wake also restores every tag but weights and kv_cache.
-        The engine serves again once every tag is awake and its weights are valid."""
-        sleep_mode = self._sleep_mode()
-        targets = sleep_mode.wake_targets(tags)
-        with self._transfers_held(drop=False):
-            try:
-                if sleep_mode.context_released:
-                    self._restore_context()  # the context first, then the tags
-                report = self.memory.wake(targets)
-                if "weights" in targets:
-                    self.memory.mark_clean("weights")  # unwritten since the wake: the next level-1 sleep keeps it
-                if "kv_cache" in targets:
-                    self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
-                if sleep_mode.level is not None and not self.memory.is_sleeping() and not sleep_mode.context_released:
-                    sleep_mode.level = None  # every tag awake: a wake ends any sleep, level 0 included
-            finally:
-                self._sync_scheduler()
-        return WakeResult(report, tuple(targets), self.serving)
+        """Wake `tags` (all when None); any wake also restores every tag but weights and kv_cache. The engine serves
+        again once every tag is awake and its weights are whole."""
+        lc = self.lifecycle
+        targets = lc.plan_wake(tags)
+        with self.weights.held(drop=False):
+            if lc.context_released:
+                self._restore_context()  # the context first, then the tags
+            report = self.executor.wake(targets)
+            if "kv_cache" in targets:
+                self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
+            lc.woke(targets)
+        return WakeResult(report, tuple(targets), lc.serving)
 
+    # ---- the weights (every write: weights/receiver.py) --------------------------------------
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
-        self._weights_awake("reload_weights")
-        self.mark_weights_dirty()
+        self.weights.check_awake("reload_weights")
         self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
-        try:
-            self.model_runner.reload_weights(path or self.config.model)
-        finally:
-            self._stop_if_weights_invalid()
-        self._weights_restored()
+        self.weights.reload(path or self.config.model)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], staged: bool = False) -> int:
-        """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's
-        push). After a level-2 sleep every weight must be given; otherwise any subset. Returns the count.
-        `staged`: see `loader.check_update`."""
-        with phase("prepare"):
-            self._weights_awake("update_weights")
-            self.mark_weights_dirty()
-            discarded = self.sleep_mode is not None and self.sleep_mode.weights_discarded
-            strict = discarded or not self.model_runner.weights_valid  # after a mix, only the whole set will do
-            self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
-        try:
-            # The RoPE table lives with the weights: only a level-2 discard (which sets weights_discarded until
-            # a complete update or reload) can have wiped it, so an update of intact weights leaves it be.
-            count = self.model_runner.update_weights(named_tensors, strict=strict, reset_buffers=discarded,
-                                                     staged=staged)
-        finally:
-            with phase("state"):
-                self._stop_if_weights_invalid()
-        with phase("state"):
-            self._weights_restored()
-        return count
+    def update_weights(self, named_tensors, staged: bool = False) -> int:
+        """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's push); any
+        subset (after a level-2 sleep the engine serves again once every tensor came). Returns the count."""
+        return self.weights.update_weights(named_tensors, staged=staged)
 
-    def _sleep_mode(self) -> SleepMode:
-        if self.sleep_mode is None:
-            raise RuntimeError("sleep mode is off: build the engine with a MemoryManager (enable_sleep_mode)")
-        return self.sleep_mode
+    def update_weights_from_tensor(self, serialized_named_tensors=None, load_format: str | None = None,
+                                   flush_cache: bool = True, named_tensors=None,
+                                   push: PushPosition | None = None) -> int:
+        return self.weights.update_from_tensor(serialized_named_tensors, load_format, flush_cache, named_tensors,
+                                               push)
 
-    def _weights_awake(self, what: str) -> None:
-        if self.memory is not None and "weights" in self.memory.tags() and self.memory.is_sleeping("weights"):
-            raise RuntimeError(f"{what}: the weights are asleep; call wake_up(['weights']) first")
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
+        self.weights.init_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
 
-    def _weights_restored(self) -> None:
-        if self.sleep_mode is not None:
-            self.sleep_mode.weights_discarded = False
-            self._sync_scheduler()
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        timeout: float | None = None) -> int:
+        """Receive the trainer's broadcasts (every rank, on threads of their own), then copy them all. Blocks its
+        caller; the server receives off its engine thread (start_receive / receive_done / apply_received)."""
+        self.weights.start_receive(names, dtypes, shapes, group_name)
+        self.weights.wait_receive(group_name, DEFAULT_GROUP_TIMEOUT_S if timeout is None else timeout)
+        return self.weights.apply_received(names, group_name, flush_cache)
 
-    def _stop_if_weights_invalid(self) -> None:
-        """A load or update that failed after writing part of the weights leaves a mix: never serve it.
-        With sleep mode the weights count as discarded (serving resumes after a complete reload or
-        update); without, `step` raises."""
-        if self.model_runner.weights_valid:
-            return
-        if self.sleep_mode is not None:
-            self.sleep_mode.weights_mixed()
-            self._sync_scheduler()
-
-    def release_tags(self, tags: Iterable[str], mode: str = "wait") -> Report | None:
-        """Release only `tags`, each with its level-1 action (SGLang's `release_memory_occupation`):
-        the engine pauses as at level 1 and a `wake_up` naming them (or all) restores them. Tags that
-        do not exist on this device or already sleep are skipped; None when nothing is released."""
-        from torpor.engine.sleep_mode import LEVELS, SLEEP_TAGS
-
-        sleep_mode = self._sleep_mode()
-        tags = list(tags)
-        unknown = sorted(set(tags) - set(SLEEP_TAGS))
-        if unknown:
-            raise ValueError(f"unknown tag(s) {unknown}; the engine's tags are {list(SLEEP_TAGS)}")
-        if mode not in SLEEP_MODES:
-            raise ValueError(f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
-        plan = {t: LEVELS[1][t] for t in sleep_mode.tags if t in tags and not self.memory.is_sleeping(t)}
-        if not plan:
-            return None
-        self.memory.check_sleep(plan)  # a release bound to fail must not settle (abort) requests first
-        with self._transfers_held(drop="weights" in plan):
-            try:
-                if sleep_mode.level in (None, 0):  # requests may be running
-                    self._settle_running(mode)
-                report = self.memory.sleep(plan)
-            except BaseException:
-                self._sync_scheduler()  # nothing was released: back to what the engine did
-                raise
-            if sleep_mode.level in (None, 0):
-                sleep_mode.after_sleep(1)
-            self._sync_scheduler()
-        return report
-
-    def mark_weights_dirty(self) -> None:
-        """Every path that writes the weights calls this first (reload, update, a trainer's push): the next
-        level-1 sleep then copies them again instead of keeping the host copy made before."""
-        if self.memory is not None and "weights" in self.memory.tags():
-            self.memory.mark_dirty("weights")
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.weights.destroy_group(group_name)
 
     def _reserve_host_copies(self):
-        """Start reserving (pinning) the host copies a level-1 sleep needs, in the background, so the first
-        sleep runs as fast as the later ones (`EngineConfig.reserve_host_copies`)."""
+        """Start reserving (pinning) the host copies a level-1 sleep needs, in the background, so the first sleep runs
+        as fast as the later ones (`EngineConfig.reserve_host_copies`)."""
         if not self.config.reserve_host_copies or self.memory is None:
             return None
-        present = self.memory.tags()
-        tags = [t for t, action in LEVELS[1].items() if action == "offload" and t in present]
+        tags = [t for t in ("weights", "runtime", "cuda_graph") if t in self.memory.tags()]
         usage = self.memory.usage()
         need = sum(usage[t].reserved_bytes for t in tags)
         logger.info("reserving %.2f GiB of host memory for the host copies of %s in the background, so the first "

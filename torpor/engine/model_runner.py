@@ -31,7 +31,7 @@ import torch
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
 from torpor.engine.config import EngineConfig
 from torpor.engine.cuda_graphs import CudaGraphRunner, run_decode
-from torpor.engine.distributed import min_over_ranks, tp_size
+from torpor.engine.distributed import current, tp_size
 from torpor.engine.engine_stream import EngineStream
 from torpor.engine.gemm import row_invariant
 from torpor.engine.inputs import DecodeBuffers, prepare_prefill
@@ -49,7 +49,7 @@ from torpor.engine.phase_times import phase
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
 from torpor.engine.weights.background_load import BackgroundLoad
-from torpor.engine.weights.index import CheckpointError, checkpoint_bytes
+from torpor.engine.weights.index import checkpoint_bytes
 from torpor.engine.weights.loader import check_update, load_named_tensors, load_weights
 from torpor.engine.weights.staging import StagingBuffers
 from torpor.env import Env
@@ -91,8 +91,8 @@ class ModelRunner:
         if memory is not None and memory.device != self.device:
             raise ValueError(f"the MemoryManager is on {memory.device}, the engine on {self.device}")
         if tp_size() != config.tensor_parallel_size:
-            raise RuntimeError(f"this process is rank of a tensor-parallel group of {tp_size()}, the engine wants "
-                               f"{config.tensor_parallel_size}: close() the tensor-parallel engine first")
+            raise RuntimeError(f"the active tensor-parallel group has {tp_size()} ranks, the engine wants "
+                               f"{config.tensor_parallel_size} (build a ModelRunner through a Worker)")
         self.memory = memory
         self.config = config  # until profiling fills in the number of KV blocks
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -102,7 +102,6 @@ class ModelRunner:
         # pinned while the memory manager's tags and the model are built.
         self.staging = StagingBuffers(self.device, threads=config.load_threads or None)
         self.staging.prefetch(checkpoint_bytes(config.model))
-        self.weights_valid = True  # False after a load or update failed midway (a mix): refuse to serve
         # The stream and its GEMM workspace are given up when the runner goes (see EngineStream.close).
         self._finalizer = weakref.finalize(self, self.engine_stream.close)
         self._finalizer.atexit = False  # no CUDA calls while the interpreter shuts down
@@ -157,7 +156,7 @@ class ModelRunner:
             self._triton_key = None
         # Under tensor parallelism every rank must hold the blocks the scheduler (on rank 0) hands out.
         with timed_phase("kv_cache_sizing"):
-            self.config = config.with_num_kv_blocks(min_over_ranks(self._num_kv_blocks(config), self.device))
+            self.config = config.with_num_kv_blocks(current().min(self._num_kv_blocks(config)))
         self._allocate_runtime(capture_error_mode)
 
     def close(self) -> None:
@@ -232,8 +231,9 @@ class ModelRunner:
     def reload_weights(self, path: str) -> None:
         """The checkpoint at `path` into the existing parameters (same addresses: graphs stay valid), by
         the staged loader. Every header is checked first: a bad checkpoint raises CheckpointError and
-        leaves the weights as they were; a failure after writing began sets `weights_valid` False."""
-        with self.engine_stream.scope(), self._writing_weights():
+        leaves the weights as they were; a failure after writing began raises CheckpointError with
+        `weights_written` (the caller treats the weights as a mix)."""
+        with self.engine_stream.scope():
             load_weights(self.model, path, self.staging)
 
     def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True,
@@ -242,17 +242,16 @@ class ModelRunner:
         `reset_buffers` is False (the caller knows the table is intact, or recomputes it once at the end of
         a push in buckets: `reset_buffers()`). A list or tuple is validated whole (names, shapes, dtypes,
         finite values) before anything is written; a stream (any other iterable) is checked tensor by
-        tensor, so a bad one midway leaves a mix: `weights_valid` is then False until a complete update or
-        a reload. `staged`: see `loader.check_update` (a list checked by `loader.check_staged` already)."""
+        tensor, so a bad one midway leaves a mix (CheckpointError with `weights_written`). `staged`: see
+        `loader.check_update` (a list checked by `loader.check_staged` already)."""
         with self.engine_stream.scope():
             whole = isinstance(named_tensors, list | tuple)
             if whole:
                 check_update(self.model, named_tensors, strict, staged)
-            with self._writing_weights():
-                with phase("copy"):
-                    count = load_named_tensors(self.model, named_tensors, strict=strict, values_checked=whole)
-                if reset_buffers:
-                    self.reset_buffers()
+            with phase("copy"):
+                count = load_named_tensors(self.model, named_tensors, strict=strict, values_checked=whole)
+            if reset_buffers:
+                self.reset_buffers()
         return count
 
     def reset_buffers(self) -> None:
@@ -264,19 +263,6 @@ class ModelRunner:
     def check_update(self, named_tensors, strict: bool, staged: bool = False) -> None:
         """Validate a whole update (a list) against this rank's model without writing anything."""
         check_update(self.model, named_tensors, strict, staged)
-
-    @contextlib.contextmanager
-    def _writing_weights(self) -> Iterator[None]:
-        """Marks the weights invalid if the block fails after writing began (the loaders raise that as
-        CheckpointError with `weights_written`; every other failure came before any write); valid once
-        the block succeeds."""
-        try:
-            yield
-        except CheckpointError as e:
-            if e.weights_written:
-                self.weights_valid = False
-            raise
-        self.weights_valid = True
 
     # ---- steps -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from torpor.engine.block_manager import BlockManager
 from torpor.engine.config import EngineConfig
+from torpor.engine.lifecycle import Lifecycle
 from torpor.engine.outputs import FinishReason, TokenLogprobs
 from torpor.engine.sequence import FINISHED, Sequence, SequenceStatus
 
@@ -35,9 +36,10 @@ def _arrival(seq: Sequence) -> int:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running batch and the KV block allocator."""
+    """Owns the waiting queue, the running batch and the KV block allocator. It steps only while `lifecycle` lets
+    it (`may_run`) and starts new requests only while it may admit (`may_admit`); without one it always does."""
 
-    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] = (), lifecycle: Lifecycle | None = None):
         if config.num_kv_blocks is None:
             raise ValueError("config.num_kv_blocks is not set: profile memory and use "
                              "config.with_num_kv_blocks(n) before building the scheduler")
@@ -46,8 +48,7 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []           # sorted by arrival, oldest first
-        self.paused = False
-        self.draining = False  # admit no new prefills; running sequences go on (before a sleep)
+        self.lifecycle = lifecycle if lifecycle is not None else Lifecycle((), ())
         self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples in index order
         self._arrivals = itertools.count()
         # Seeds of unseeded requests, drawn in arrival order: an engine run is reproducible
@@ -127,22 +128,17 @@ class Scheduler:
         return not self._requests
 
     # --- scheduling ----------------------------------------------------------------------
-    def pause(self) -> None:
-        """Stop scheduling (sleep level 0): `schedule` returns nothing; requests still queue."""
-        self.paused = True
-
-    def drain(self) -> None:
-        """Let the running sequences finish but start no new ones (a sleep waits for them)."""
-        self.draining = True
-
-    def resume(self) -> None:
-        self.paused = self.draining = False
+    def has_runnable(self) -> bool:
+        """Whether `schedule` would return a batch: a sequence runs, or waits and may start."""
+        if not self.lifecycle.may_run():
+            return False
+        return bool(self.running) or (bool(self.waiting) and self.lifecycle.may_admit())
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """The next batch and whether it is a prefill. Empty when paused or idle."""
-        if self.paused:
+        """The next batch and whether it is a prefill. Empty when the lifecycle stops the steps, or idle."""
+        if not self.lifecycle.may_run():
             return [], False
-        seqs = self._schedule_prefill()
+        seqs = self._schedule_prefill() if self.lifecycle.may_admit() else []
         if seqs:
             return seqs, True
         return self._schedule_decode(), False
@@ -151,7 +147,7 @@ class Scheduler:
         scheduled: list[Sequence] = []
         num_tokens = 0
         bm = self.block_manager
-        while self.waiting and not self.draining:
+        while self.waiting:
             seq = self.waiting[0]
             num_forks, use_cache = len(seq.pending_forks), self._may_use_cache(seq)
             num_new = seq.num_new_tokens - bm.num_hit_tokens_for(seq, use_cache)

@@ -1,212 +1,198 @@
-"""Tensor-parallel worker processes: ranks 1..N-1 of an engine, each with its own ModelRunner and
-MemoryManager, driven by rank 0 through one `Pipe` per worker.
+"""`Worker`: one rank of an engine — its device state and everything done to it.
 
-Rank 0 sends a pickled `(command, args)`; the worker runs it (the forward passes meet in the layers'
-collectives) and answers `("ok", result)` or `("error", exception)`. Commands: run, sleep, wake,
-reload_weights, update_weights (the tensors follow through the process group, see `receive_tensors`), reset_buffers,
-info, exit. Rank 0's side, `WorkerGroup`, is in worker_group.py.
-
-Workers ignore SIGINT (Ctrl-C reaches the whole process group of a terminal; rank 0 alone decides when
-the workers stop) and exit on their own when rank 0 goes away.
+A Worker owns its tensor-parallel group (`TPGroup`), its `MemoryManager`, its `ModelRunner` (the model, the KV
+cache, every device buffer) and its side of weight updates (`RankUpdates`: update groups, tensors waiting for
+their copy). Every rank has one — rank 0 too, in the engine's process; ranks 1..N-1 in processes of their own
+(executor/multiproc.py). The executor calls its methods by name with typed arguments (`collective_rpc`); each
+method runs with the Worker's group active (distributed.py), so the layers' collectives reach this engine's
+ranks and no other's. Worker extensions (`worker_extension_cls`) add methods to this class.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
-import pickle
-import signal
-import threading
-import time
-import traceback
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 
 import torch
 
 from torpor.engine.config import EngineConfig
-from torpor.engine.distributed import (
-    broadcast_from_rank0,
-    check_exchange,
-    check_in,
-    init_tensor_parallel,
-    release_exchange,
-    rendezvous_store,
-    restore_exchange,
-    shutdown_tensor_parallel,
-    tp_rank,
-)
-
-TEARDOWN_TIMEOUT_S = 60.0  # leaving the process group together (a healthy close) takes well under this
+from torpor.engine.distributed import TPGroup
+from torpor.engine.model_runner import ModelRunner
+from torpor.engine.sampler import SamplerOutput
+from torpor.engine.sequence import Sequence
+from torpor.engine.step_batch import StepBatch
+from torpor.engine.weights.updates import OPENED, RankUpdates, release_transfer_memory, specs_of
+from torpor.memory import device_used_bytes
 
 
-def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config of one rank: on GPU, rank r uses the device r places after rank 0's."""
-    if not config.device.startswith("cuda"):
-        return config
-    first = int(config.device.partition(":")[2] or 0)
-    return dataclasses.replace(config, device=f"cuda:{first + rank}")
+class Worker:
+    """`memory`: this rank's MemoryManager (None: no sleep mode)."""
 
+    def __init__(self, config: EngineConfig, group: TPGroup, memory=None) -> None:
+        self.group, self.memory = group, memory
+        with group.active():
+            self.runner = ModelRunner(config, memory)
+        self.config, self.device = self.runner.config, self.runner.device  # with the profiled KV blocks
+        self.rank = group.rank
+        self.updates = RankUpdates(self.device, group.rank, config.model)
 
-def rank_info(runner, memory) -> dict:
-    """This rank's device, its memory in use (the whole device, as `MemoryManager.device_used_bytes`;
-    CPU: the process's RSS), its tags and how many CUDA graphs it holds."""
-    if memory is not None:
-        used, tags = memory.device_used_bytes(), {tag: asdict(u) for tag, u in memory.usage().items()}
-    else:
-        from torpor.memory import device_used_bytes
+    # ---- steps -------------------------------------------------------------------------------------
+    def execute_model(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+        """Rank 0: one scheduled batch, sampled."""
+        with self.group.active():
+            output = self.runner.run(seqs, is_prefill)
+            self.group.check_exchange()
+            return output
 
-        used, tags = device_used_bytes(runner.device), {}
-    graphs = runner.graphs.graphs if runner.graphs is not None else {}
-    return {"rank": tp_rank(), "pid": os.getpid(), "device": str(runner.device), "device_used_bytes": used,
-            "cuda_graphs": len(graphs), "tags": tags}
+    def execute_batch(self, batch: StepBatch) -> None:
+        """Ranks 1..N-1: the forward pass of rank 0's batch (rank 0 samples from the gathered logits)."""
+        with self.group.active(), torch.inference_mode():
+            self.runner.compute_logits(batch.sequences(), batch.is_prefill)
+            self.group.check_exchange()
 
+    # ---- memory ------------------------------------------------------------------------------------
+    def sleep(self, actions: Mapping[str, str]):
+        """This rank's part of a sleep: the exchange buffer first (every rank releases it whatever happens next:
+        a failed sleep is rolled back by a wake on every rank, which maps it again everywhere), then the tags."""
+        if actions:
+            self.group.release_exchange()
+        report = self.memory.sleep(actions)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the steps' cached temporaries (default pool) go back too
+        return report
 
-# ---- the worker process ------------------------------------------------------------------------
-def worker_main(rank: int, size: int, config: EngineConfig, store_port: int, memory_options: dict | None,
-                conn) -> None:
-    """Entry point of rank `rank` (a spawned process): start up, then serve rank 0's commands."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    _exit_with_parent(os.getppid())
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited from rank 0, which set it (docs/tensor-parallel.md)
-    if not config.device.startswith("cuda"):
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the cores
-    try:
-        from torpor.engine.model_runner import ModelRunner
+    def wake(self, tags: Iterable[str] | None):
+        """This rank's part of a wake: the exchange buffer (a collective with the other ranks), then the tags."""
+        self.group.restore_exchange()
+        report = self.memory.wake(None if tags is None else list(tags))
+        if tags is None or "weights" in tags:
+            self.memory.mark_clean("weights")  # unwritten since the wake: the next level-1 sleep keeps the copy
+        return report
 
-        store = rendezvous_store(store_port, size, False, config.tp_timeout_s)
-        check_in(store, rank)
-        init_tensor_parallel(rank, size, store, torch.device(config.device), config.tp_timeout_s)
-        memory = None
-        if memory_options is not None:
-            from torpor.memory import MemoryManager
+    def check_sleep(self, actions: Mapping[str, str]) -> None:
+        """Raise (touching nothing) if `sleep(actions)` is bound to fail for want of host memory."""
+        self.memory.check_sleep(actions)
 
-            memory = MemoryManager(config.device, **memory_options)
-        runner = ModelRunner(config, memory)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            _reply_error(conn, e)
-        os._exit(1)  # without leaving the group: the others may be anywhere (a collective teardown would hang)
-    try:
-        conn.send(("ok", None))
-    except OSError:
-        os._exit(0)  # rank 0 is gone
-    end = _serve(runner, memory, conn)
-    if end != "exit":
-        # Rank 0 is gone, or a step failed here (the ranks' collectives may be out of step: this engine
-        # cannot run any more; rank 0 sees this process die). No (collective) teardown of the group.
-        os._exit(0 if end == "gone" else 1)
-    try:
-        runner.close()  # its graphs (they captured NCCL calls) go before the communicator
-    finally:
-        left = shutdown_tensor_parallel(healthy=True, timeout_s=TEARDOWN_TIMEOUT_S)  # with rank 0 (see close)
-    os._exit(0 if left else 1)  # nothing left to do; no interpreter teardown (CUDA / NCCL finalizers)
+    def mark_weights_dirty(self) -> None:
+        """Every path that writes the weights calls this first: the next level-1 sleep copies them again."""
+        if self.memory is not None and "weights" in self.memory.tags():
+            self.memory.mark_dirty("weights")
 
+    def weights_clean(self) -> bool:
+        """Whether the weights' host copy equals them: a failed write can then be undone (`revert_weights`)."""
+        return self.memory is not None and self.memory.is_clean("weights")
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit when rank 0 dies, even while blocked in a collective that will never complete."""
+    def snapshot_weights(self) -> int:
+        """Copy the weights into their host copy (kept, marked clean) so that a write can be undone; bytes."""
+        return self.memory.snapshot("weights")
 
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
+    def revert_weights(self) -> int:
+        """Copy the weights' clean host copy back over them (undo a failed write); bytes."""
+        with self.group.active():
+            return self.memory.revert("weights")
 
-    threading.Thread(target=watch, name="torpor-tp-parent-watch", daemon=True).start()
+    def reserve_host_copies(self, tags: list[str]):
+        """Start reserving the host copies a level-1 sleep needs, in the background (`MemoryManager`)."""
+        return self.memory.reserve_host_in_background(tags, on_done=None)
 
+    # ---- the CUDA context (levels 3 and 4; one GPU per process) --------------------------------------
+    def check_checkpoint(self) -> None:
+        self.memory.check_checkpoint()
 
-def _serve(runner, memory, conn) -> str:
-    """Rank 0's commands until "exit"; returns "exit", "gone" (rank 0 is) or "failed" (a step failed)."""
-    while True:
+    def checkpoint_context(self):
+        return self.memory.checkpoint_context()
+
+    def restore_context(self):
+        return self.memory.restore_context()
+
+    def is_context_checkpointed(self) -> bool:
+        return self.memory.is_context_checkpointed()
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def reload_weights(self, path: str) -> None:
+        """The checkpoint at `path` into the existing parameters (every header checked first)."""
+        self.mark_weights_dirty()
+        with self.group.active():
+            self.runner.reload_weights(path)
+
+    def load_weights(self, named_tensors, strict: bool, reset_buffers: bool = True, staged: bool = False) -> int:
+        """Hugging Face-named tensors into the existing parameters (`ModelRunner.update_weights`)."""
+        self.mark_weights_dirty()
+        with self.group.active():
+            return self.runner.update_weights(named_tensors, strict, reset_buffers, staged)
+
+    def check_update(self, named_tensors, strict: bool, staged: bool = False) -> None:
+        with self.group.active():
+            self.runner.check_update(named_tensors, strict, staged)
+
+    def reset_buffers(self) -> None:
+        """Recompute the buffers no checkpoint holds (the RoPE table), after the weights were discarded."""
+        with self.group.active():
+            self.runner.reset_buffers()
+
+    def synchronize(self) -> None:
+        """This rank's copies done (before a trainer may reuse the memory they read). One rank: its engine stream
+        only (the whole device would also wait for the staging thread's stream: the next request's finite check);
+        several: the device (the copies may also feed the group's collectives)."""
+        stream = self.runner.engine_stream.stream
+        if stream is not None and self.group.size == 1:
+            stream.synchronize()
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- weight updates from a trainer (update groups, per-rank payloads) -----------------------------
+    def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str | None, timeout: float) -> None:
+        self.updates.init_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+
+    def has_update_group(self, group_name: str) -> bool:
+        return self.updates.has_group(group_name)
+
+    def start_receive(self, group_name: str, names: list[str], dtypes: list, shapes: list) -> None:
+        """Receive the trainer's broadcasts on a thread of this rank's own (`wait_receive` ends it)."""
+        self.updates.start_receive(group_name, specs_of(names, dtypes, shapes))
+
+    def wait_receive(self, group_name: str, timeout_s: float) -> int:
+        return self.updates.wait_receive(group_name, timeout_s)
+
+    def receive_done(self, group_name: str) -> bool:
+        return self.updates.receive_done(group_name)
+
+    def open_payload(self, serialized: list[str], load_format: str | None) -> list[str]:
+        return self.updates.open_payload(serialized, load_format)
+
+    def apply_staged(self, key: str = OPENED) -> int:
+        """Copy what was received (or opened) under `key` into the weights: a partial set (buckets); the engine
+        recomputes the RoPE table once the set is whole."""
+        tensors = self.updates.take(key)
         try:
-            command, args = conn.recv()
-        except (EOFError, OSError):
-            return "gone"
-        try:
-            if command == "exit":
-                conn.send(("ok", None))
-                return "exit"
-            try:
-                reply = ("ok", _handle(runner, memory, conn, command, args))
-            except Exception as e:
-                _reply_error(conn, e)
-                if command == "run":
-                    return "failed"
-            else:
-                conn.send(reply)
-        except (EOFError, OSError):
-            return "gone"
-
-
-def _handle(runner, memory, conn, command: str, args: tuple):
-    if command == "run":
-        (batch,) = args  # a StepBatch
-        with torch.inference_mode():
-            runner.compute_logits(batch.sequences(), batch.is_prefill)  # rank 0 samples from the gathered logits
-        check_exchange()
-        return None
-    if command == "sleep":
-        sleep_rank(memory, *args)
-        return None
-    if command == "wake":
-        wake_rank(memory, *args)
-        return None
-    if command == "reload_weights":
-        return runner.reload_weights(*args)
-    if command == "update_weights":
-        strict, reset_buffers = args
-        tensors = receive_tensors(conn, runner.device)
-        try:
-            return runner.update_weights(tensors, strict, reset_buffers)
+            count = self.load_weights(tensors, strict=False, reset_buffers=False)
+            self.synchronize()  # before the trainer's memory is released
+            return count
         finally:
-            for _ in tensors:  # after a failure here: meet rank 0's remaining broadcasts until its "end"
-                pass
-    if command == "reset_buffers":
-        return runner.reset_buffers()
-    if command == "info":
-        return rank_info(runner, memory)
-    if command == "weights_group":  # a trainer's weights update group (weight_transfer.rank_command)
-        from torpor.engine.weight_transfer import rank_command
+            release_transfer_memory(tensors)
 
-        return rank_command(runner, *args)
-    raise ValueError(f"unknown worker command {command!r}")
+    def drop_staged(self, key: str = OPENED, destroy_group: bool = False) -> None:
+        self.updates.drop(key, destroy_group)
 
+    def destroy_update_group(self, group_name: str) -> bool:
+        return self.updates.destroy_group(group_name)
 
-def sleep_rank(memory, actions):
-    """One rank's part of a sleep: the exchange buffer first (every rank releases it, whatever happens next:
-    a failed sleep is rolled back by a wake on every rank, which maps it again everywhere), then the tags."""
-    if actions:
-        release_exchange()
-    report = memory.sleep(actions)
-    if memory.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return report
+    # ---- readings and the end -------------------------------------------------------------------------
+    def info(self) -> dict:
+        """This rank's device, its memory in use (the whole device; CPU: the process's RSS), its tags and how
+        many CUDA graphs it holds."""
+        if self.memory is not None:
+            used, tags = self.memory.device_used_bytes(), {t: asdict(u) for t, u in self.memory.usage().items()}
+        else:
+            used, tags = device_used_bytes(self.device), {}
+        graphs = self.runner.graphs.graphs if self.runner.graphs is not None else {}
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "device_used_bytes": used,
+                "cuda_graphs": len(graphs), "tags": tags}
 
-
-def wake_rank(memory, tags):
-    """One rank's part of a wake: the exchange buffer (a collective with the other ranks), then the tags."""
-    restore_exchange()
-    return memory.wake(tags)
-
-
-def _reply_error(conn, error: BaseException) -> None:
-    detail = "".join(traceback.format_exception(error))
-    try:
-        pickle.dumps(error)
-    except Exception:
-        error = RuntimeError(f"{type(error).__name__}: {error}")
-    conn.send(("error", (error, detail)))
-
-
-# ---- weights from rank 0, through the process group --------------------------------------------
-# `update_weights` streams: for every tensor rank 0 sends its (name, shape, dtype) through each pipe and
-# broadcasts the data over the process group (NCCL on GPU: device to device, no host copy, no shared
-# memory; one tensor at a time on each device); ("end",) closes the stream.
-
-def receive_tensors(conn, device: torch.device):
-    """A worker: yields (name, tensor on `device`) for every tensor rank 0 sends, until its "end"."""
-    while True:
-        message = conn.recv()
-        if message[0] == "end":
-            return
-        _, name, shape, dtype = message
-        yield name, broadcast_from_rank0(torch.empty(shape, dtype=dtype, device=device))
+    def close(self) -> None:
+        """Free the graphs (they captured the group's collectives) and the GEMM workspace, and leave every update
+        group; the engine's TP group is left by the executor."""
+        self.updates.close()
+        self.runner.close()

@@ -290,6 +290,19 @@ class CudaBackend(SegmentStore):
     def _finish_fills(self) -> None:
         cuda_driver.stream_synchronize(self._stream_handle())
 
+    def _finish_copies(self, segments: list[Segment]) -> None:
+        for seg in segments:
+            if seg.copy_pending:
+                cuda_driver.event_synchronize(seg.copied)
+                seg.copy_pending = False
+
+    def _copy_in(self, segments: list[Segment]) -> None:
+        stream = self._stream_handle()
+        for seg in segments:
+            for offset, size in _chunks(seg.size):
+                cuda_driver.copy_h2d(seg.address + offset, seg.backup.ptr + offset, size, stream)
+        cuda_driver.stream_synchronize(stream)
+
     def _read_device(self, segment: Segment, offset: int, size: int) -> bytes:
         staging = (ctypes.c_char * size)()
         cuda_driver.copy_d2h(ctypes.addressof(staging), segment.address + offset, size, self._stream_handle())

@@ -167,6 +167,19 @@ class HostBackend(SegmentStore):
     def _finish_fills(self) -> None:
         pass
 
+    def _finish_copies(self, segments: list[Segment]) -> None:
+        pass  # pwrite has returned
+
+    def _copy_in(self, segments: list[Segment]) -> None:
+        for seg in segments:
+            with memoryview(seg.mapping) as whole, whole[: seg.used] as part:
+                done = 0
+                while done < seg.used:
+                    got = os.preadv(seg.backup, [part[done:]], done)
+                    if got == 0:
+                        raise HostMemoryError(f"backup file of tag {seg.tag!r} is truncated")
+                    done += got
+
     def _read_device(self, segment: HostChunk, offset: int, size: int) -> bytes:
         return segment.mapping[offset: offset + size]
 

@@ -274,6 +274,41 @@ class MemoryManager:
             self._clean.add(tag)
             return self._backend.current_copy_bytes(tag)
 
+    def is_clean(self, tag: str) -> bool:
+        """Whether awake `tag` is marked clean and its host copy holds every byte of it (a wake from the copy, or
+        `snapshot`): `revert` can then put those bytes back after a write."""
+        with self._lock:
+            return (self._states[self._check_tag(tag)] is TagState.AWAKE and tag in self._clean
+                    and self._backend.copy_is_current(tag))
+
+    def snapshot(self, tag: str) -> int:
+        """Copy awake `tag` into its host copy (made first, reused after; as an offload copies it, but the device
+        memory stays) and mark it clean: a later write can be undone with `revert`, and the next offload keeps the
+        copy. All or nothing: without host memory for the copy, HostMemoryError and nothing changed. Returns the
+        bytes copied (0 when the copy was current already)."""
+        self._check_context("snapshot")
+        with self._lock, self._on_device():
+            if self._states[self._check_tag(tag)] is not TagState.AWAKE:
+                raise ValueError(f"tag {tag!r} is asleep: only an awake tag has device bytes to copy")
+            if tag in self._clean and self._backend.copy_is_current(tag):
+                return 0
+            copied = self._backend.snapshot(tag)
+            self._clean.add(tag)
+            return copied
+
+    def revert(self, tag: str) -> int:
+        """Undo the writes to awake `tag` since it was clean: its host copy (from the wake or `snapshot` before
+        the writes began, kept since) is copied back over the device bytes, at the same addresses; the tag is clean
+        again. The caller must have declared the writes (`mark_dirty`) and must not have slept the tag meanwhile
+        (a sleep copies the written bytes over the old ones). Returns the bytes copied."""
+        self._check_context("revert")
+        with self._lock, self._on_device():
+            if self._states[self._check_tag(tag)] is not TagState.AWAKE:
+                raise ValueError(f"tag {tag!r} is asleep: revert puts back the bytes of an awake tag")
+            copied = self._backend.revert(tag)
+            self._clean.add(tag)
+            return copied
+
     def mark_dirty(self, tag: str) -> None:
         """Declare a write to `tag` (or one about to happen): its next offload copies it again. Every path
         that writes a tag marked clean must call this (a tag scope does it itself)."""

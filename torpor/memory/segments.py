@@ -190,6 +190,41 @@ class SegmentStore(ABC):
             for seg in self.of_tag(tag):
                 seg.copy_current = False
 
+    def copy_is_current(self, tag: str) -> bool:
+        """Whether every resident segment of `tag` has a host copy equal to it (as far as declared)."""
+        with self.lock:
+            segs = [s for s in self.of_tag(tag) if s.resident]
+            return bool(segs) and all(s.copy_current and s.backup is not None for s in segs)
+
+    def snapshot(self, tag: str) -> int:
+        """Copy the resident segments of `tag` whose copy is not current into their host copies (made first:
+        HostMemoryError touching nothing); they stay resident. Returns the bytes copied."""
+        with self.lock:
+            segs = [s for s in self.of_tag(tag) if s.resident and not (s.copy_current and s.backup is not None)]
+            self._check_host_budget(segs)
+            self._reserve_backups(segs)
+            self._synchronize()
+            self._copy_out(segs)
+            self._finish_copies(segs)
+            for seg in segs:
+                seg.copy_current = True
+            return sum(s.copy_bytes for s in segs)
+
+    def revert(self, tag: str) -> int:
+        """Copy the host copies of `tag`'s resident segments back over them (each must have one: the bytes
+        before the writes to undo). Returns the bytes copied."""
+        with self.lock:
+            segs = [s for s in self.of_tag(tag) if s.resident]
+            missing = [s for s in segs if s.backup is None]
+            if missing:
+                raise ValueError(f"tag {tag!r} has no host copy to revert to ({len(missing)} of {len(segs)} "
+                                 "segments): snapshot it before writing")
+            self._synchronize()
+            self._copy_in(segs)
+            for seg in segs:
+                seg.copy_current = True
+            return sum(s.copy_bytes for s in segs)
+
     def current_copy_bytes(self, tag: str) -> int:
         """Bytes of the tag's resident segments whose host copy equals them (as far as declared)."""
         with self.lock:
@@ -285,6 +320,14 @@ class SegmentStore(ABC):
     @abstractmethod
     def _finish_fills(self) -> None:
         """Wait for the queued restores."""
+
+    @abstractmethod
+    def _finish_copies(self, segments: list[Segment]) -> None:
+        """Wait for `_copy_out` of `segments` (their device memory stays mapped)."""
+
+    @abstractmethod
+    def _copy_in(self, segments: list[Segment]) -> None:
+        """Copy each resident segment's host copy over its device memory, and wait for it."""
 
     @abstractmethod
     def _read_device(self, segment: Segment, offset: int, size: int) -> bytes:

@@ -1,0 +1,20 @@
+"""How an engine reaches its ranks: `make_executor` picks the kind (executor/base.py says what one does)."""
+
+from __future__ import annotations
+
+from torpor.engine.config import EngineConfig
+from torpor.engine.executor.base import Executor, RankError, WorkerDiedError
+from torpor.engine.executor.inproc import InProcExecutor
+from torpor.engine.executor.multiproc import MultiprocExecutor
+from torpor.engine.worker import Worker
+
+
+def make_executor(config: EngineConfig, memory=None, worker_memory_options: dict[int, dict] | None = None,
+                  worker_cls: type[Worker] = Worker) -> Executor:
+    """One rank: its Worker here; several: a process per rank besides this one (rank 0)."""
+    if config.tensor_parallel_size == 1:
+        return InProcExecutor(config, memory, worker_cls)
+    return MultiprocExecutor(config, memory, worker_memory_options, worker_cls)
+
+
+__all__ = ["Executor", "InProcExecutor", "MultiprocExecutor", "RankError", "WorkerDiedError", "make_executor"]
