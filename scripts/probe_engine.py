@@ -98,7 +98,7 @@ def throughput(model: str) -> None:
     prompts, output_lens = throughput_workload(args, ModelConfig.from_pretrained(model).vocab_size)
     llm = LLM(model, device="cuda", max_model_len=max(map(len, prompts)) + max(output_lens), max_num_seqs=256,
               gpu_memory_utilization=0.85)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver.runner
     spent = {"prefill": [0.0, 0], "decode": [0.0, 0], "plans": [0.0, 0]}
     run, make_plan = runner.run, cublaslt.CublasLt._make_plan
 

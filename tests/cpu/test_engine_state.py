@@ -99,7 +99,7 @@ def test_failed_sleep_from_awake_keeps_serving(starved):
     before = starved.state
     with pytest.raises(HostMemoryError):
         starved.sleep(1)
-    assert starved.state == before and before.serving and not starved.engine.scheduler.draining
+    assert starved.state == before and before.serving and not starved.engine.lifecycle.draining
     assert starved.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids == reference
 
 
@@ -110,7 +110,7 @@ def test_failed_sleep_from_level_zero_stays_paused(starved):
         starved.sleep(1)
     state = starved.state
     assert state == before and state.sleep_level == 0 and not state.serving
-    assert starved.engine.scheduler.paused and not starved.engine.scheduler.draining  # scheduler follows
+    assert not starved.engine.lifecycle.may_run() and not starved.engine.lifecycle.draining  # scheduler follows
     assert not starved.engine.has_work()
     assert starved.wake_up().serving
     assert starved.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
@@ -128,7 +128,7 @@ def test_failed_sleep_with_the_backup_folder_gone_stays_paused(tiny_model_path, 
         llm.sleep(1)
     state = llm.state
     assert state.sleep_level == 0 and not state.serving and set(state.tags.values()) == {"awake"}
-    assert not llm.engine.scheduler.draining
+    assert not llm.engine.lifecycle.draining
     folder.mkdir()
     assert llm.sleep(1) is not None and llm.wake_up().serving
     assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
@@ -149,7 +149,7 @@ def test_failed_wake_leaves_one_consistent_state(tiny_model_path, tmp_path):
         llm.wake_up()
     state = llm.state
     assert state.sleep_level == 1 and not state.serving and "asleep" in state.tags.values()
-    assert llm.engine.scheduler.paused and not llm.engine.has_work()
+    assert not llm.engine.lifecycle.may_run() and not llm.engine.has_work()
     with pytest.raises(RuntimeError, match=r"wake_up\(\)"):
         llm.generate([[5, 6, 7]], GREEDY)
 

@@ -41,7 +41,7 @@ def tokens(outputs):
 def test_greedy_tokens_and_logprobs_match_transformers(checkpoints, arch):
     path = checkpoints[arch]
     llm = LLM(str(path), **ENGINE)
-    hf = getattr(transformers, llm.engine.model_runner.model_config.architecture).from_pretrained(
+    hf = getattr(transformers, llm.engine.executor.driver.runner.model_config.architecture).from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
     hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
     prompts = [*random_prompts([3, 9, 17], seed=1), "def greet(name):"]

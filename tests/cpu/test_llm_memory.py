@@ -35,7 +35,7 @@ def summary(outputs):
 
 def test_every_persistent_buffer_is_in_its_tag(engine):
     llm, memory, _ = engine
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver.runner
     usage = memory.usage()
     for tag in ("weights", "kv_cache", "runtime"):
         assert usage[tag].allocated_bytes > 0, tag

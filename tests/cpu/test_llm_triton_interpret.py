@@ -27,7 +27,7 @@ def test_triton_backend_with_padded_decode_matches_the_cpu_engine(tmp_path):
     path = str(make_model("tiny", tmp_path / "tiny", dtype="float32", progress=False))
     options = dict(device="cpu", max_model_len=96, max_num_seqs=12, block_size=16)
     reference, llm = LLM(path, **options), LLM(path, **options)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver.runner
     backend = TritonAttentionBackend()
     backend.workspace = torch.empty(runner._workspace_numel(runner.config), dtype=torch.float32)
     for layer in runner.model.model.layers:
@@ -51,7 +51,7 @@ def test_triton_backend_prefill_over_cached_prefixes_and_forked_samples(tmp_path
     path = str(make_model("tiny", tmp_path / "tiny", dtype="float32", progress=False))
     options = dict(device="cpu", max_model_len=96, max_num_seqs=12, block_size=16)
     reference, llm = LLM(path, enable_prefix_caching=False, **options), LLM(path, **options)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver.runner
     backend = TritonAttentionBackend()
     backend.workspace = torch.empty(runner._workspace_numel(runner.config), dtype=torch.float32)
     for layer in runner.model.model.layers:
@@ -81,7 +81,7 @@ def test_triton_backend_reads_shared_prompt_prefixes_once_per_group(tmp_path):
     path = str(make_model("tiny", tmp_path / "tiny", dtype="float32", progress=False))
     options = dict(device="cpu", max_model_len=128, max_num_seqs=12, block_size=16)
     reference, llm = LLM(path, enable_prefix_caching=False, **options), LLM(path, **options)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver.runner
     config, m = runner.config, runner.model_config
     backend = TritonAttentionBackend()
     runner.buffers = DecodeBuffers(config.max_num_seqs, config.max_num_blocks_per_seq, m.hidden_size, runner.dtype,

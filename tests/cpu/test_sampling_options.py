@@ -270,7 +270,7 @@ E2E_OPTIONS = {
 @pytest.mark.parametrize("name", E2E_OPTIONS)
 def test_generate_equals_the_reference_over_transformers_logits(tiny, hf, name):
     params = E2E_OPTIONS[name]
-    eos = tiny.engine.model_runner.model_config.eos_token_ids
+    eos = tiny.engine.executor.driver.runner.model_config.eos_token_ids
     outputs = tiny.generate(PROMPTS, params)
     plain = tiny.generate(PROMPTS, greedy())
     for prompt, out in zip(PROMPTS, outputs, strict=True):
@@ -398,7 +398,7 @@ def test_out_of_vocab_stop_token_ids_are_refused_and_the_engine_serves_on(tiny):
 def test_history_lives_in_the_runtime_tag_and_survives_sleep(tiny_model_path):
     memory = MemoryManager("cpu")
     llm = LLM(tiny_model_path, memory=memory, **ENGINE)
-    history = llm.engine.model_runner.sampler.history.rows
+    history = llm.engine.executor.driver.runner.sampler.history.rows
     segment = memory._backend.find(history.data_ptr())
     assert segment is not None and segment.tag == "runtime"
     params = [greedy(repetition_penalty=1.5, presence_penalty=1.0), SamplingParams(

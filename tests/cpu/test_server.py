@@ -401,7 +401,7 @@ def test_api_key(locked):
 def test_engine_failure_is_a_500_and_the_server_goes_on(server):
     server.admin.post("/reset_prefix_cache").raise_for_status()  # both answers from an empty prefix cache
     before = choice_of(complete(server))
-    runner = server.llm.engine.model_runner
+    runner = server.llm.engine.executor.driver.runner
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")

@@ -203,7 +203,7 @@ def test_allowed_weights_dir_option(tmp_path, tiny_model_path, capsys):
 
 # ---- 11.7: never invalid JSON --------------------------------------------------------------------
 def test_non_finite_logprobs_are_valid_json(server):
-    norm = dict(server.llm.engine.model_runner.model.named_parameters())["model.norm.weight"]
+    norm = dict(server.llm.engine.executor.driver.runner.model.named_parameters())["model.norm.weight"]
     saved = norm.detach().clone()
     with torch.no_grad():
         norm.fill_(float("nan"))  # a fault: every logit and logprob is nan

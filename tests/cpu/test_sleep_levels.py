@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.sleep_mode import SleepMode
+from torpor.engine.lifecycle import Lifecycle
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.memory import CheckpointError, CheckpointUnsupportedError, MemoryManager
 from torpor.testing.harness import differences, fixed_requests, run_round
@@ -23,7 +23,7 @@ def awake(llm):
     yield
     if llm.is_sleeping():
         llm.wake_up()
-    if llm.engine.sleep_mode.weights_discarded:
+    if llm.engine.lifecycle.weights_discarded:
         llm.reload_weights()
 
 
@@ -34,29 +34,31 @@ def requests(llm):
 
 # ---- the level table -------------------------------------------------------------------------
 @pytest.fixture
-def mode(tmp_path):
-    mm = MemoryManager("cpu", backup_dir=str(tmp_path))
-    for tag in ("weights", "kv_cache", "runtime"):
-        with mm.tag(tag):
-            pass
-    return SleepMode(mm)
+def lifecycle():
+    return Lifecycle(("weights", "kv_cache", "runtime"), ("w",))
 
 
-def _after(mode: SleepMode, *levels: int) -> SleepMode:
-    """Each sleep as the engine does it: the plan's tag actions, then the new level."""
+def _after(lc: Lifecycle, *levels: int) -> Lifecycle:
+    """Each sleep as the engine does it: the plan first; the context restored when tags must sleep while it is
+    released; the tags; then the context when the plan releases it."""
     for level in levels:
-        plan = mode.plan(level)
-        if plan:
-            mode.memory.sleep(plan)
-        mode.after_sleep(level, context_released=mode.releases_context(level))
-    return mode
+        plan = lc.plan_sleep(level)
+        if plan is not None:
+            if lc.context_released and plan.actions:
+                lc.context_restored()
+            lc.slept(plan)
+            if plan.release_context:
+                lc.context_checkpointed(plan)
+    return lc
 
 
-def test_levels_three_and_four_are_one_and_two_plus_the_context(mode):
-    assert mode.plan(3) == mode.plan(1) == {"weights": "offload", "kv_cache": "discard", "runtime": "offload"}
-    assert mode.plan(4) == mode.plan(2)
-    assert mode.releases_context(3) and mode.releases_context(4)
-    assert not mode.releases_context(1) and not mode.releases_context(2)
+def test_levels_three_and_four_are_one_and_two_plus_the_context(lifecycle):
+    one, two = lifecycle.plan_sleep(1), lifecycle.plan_sleep(2)
+    three, four = lifecycle.plan_sleep(3), lifecycle.plan_sleep(4)
+    assert three.actions == one.actions == {"weights": "offload", "kv_cache": "discard", "runtime": "offload"}
+    assert four.actions == two.actions
+    assert three.release_context and four.release_context
+    assert not one.release_context and not two.release_context
 
 
 @pytest.mark.parametrize(("first", "then", "plan", "level"), [
@@ -70,20 +72,21 @@ def test_levels_three_and_four_are_one_and_two_plus_the_context(mode):
     (4, 2, None, 4),
     (0, 3, {"weights": "offload", "kv_cache": "discard", "runtime": "offload"}, 3),
 ])
-def test_sleeping_deeper_goes_to_the_deeper_of_tags_and_context(mode, first, then, plan, level):
-    _after(mode, first)
-    assert mode.plan(then) == plan
+def test_sleeping_deeper_goes_to_the_deeper_of_tags_and_context(lifecycle, first, then, plan, level):
+    _after(lifecycle, first)
+    found = lifecycle.plan_sleep(then)
+    assert (None if found is None else dict(found.actions)) == plan
     if plan is not None:
-        _after(mode, then)
-    assert mode.level == level
-    assert mode.context_released == (level in (3, 4))
-    assert mode.weights_discarded == (level in (2, 4))
+        _after(lifecycle, then)
+    assert lifecycle.level == level
+    assert lifecycle.context_released == (level in (3, 4))
+    assert lifecycle.weights_discarded == (level in (2, 4))
 
 
-def test_bad_levels(mode):
+def test_bad_levels(lifecycle):
     for bad in (5, -1, True, "3", 2.0):
         with pytest.raises(ValueError, match="sleep level must be one of 0, 1, 2, 3, 4"):
-            mode.plan(bad)
+            lifecycle.plan_sleep(bad)
 
 
 # ---- level 3 on the CPU engine: a clear error, nothing touched -------------------------------
@@ -95,7 +98,7 @@ def test_level_three_on_cpu_is_refused_before_anything_is_touched(llm, requests,
                                                          "engine runs on cpu"):
         llm.sleep(level)
     assert not llm.is_sleeping() and llm.memory_usage()["tags"] == usage["tags"]
-    assert not llm.engine.context_released
+    assert not llm.engine.lifecycle.context_released
     assert not differences(reference, run_round(llm, requests))
 
 
@@ -114,11 +117,11 @@ def test_a_failed_context_release_leaves_the_engine_as_before(llm, requests, mon
     monkeypatch.setattr(type(llm.engine), "_check_context_release", lambda self, level: None)
     with pytest.raises(CheckpointError, match="the engine is awake and serving as before"):
         llm.sleep(3)
-    assert not llm.is_sleeping() and not llm.engine.context_released
+    assert not llm.is_sleeping() and not llm.engine.lifecycle.context_released
     assert not differences(reference, run_round(llm, requests))
     with pytest.raises(CheckpointError, match=r"stays asleep at level 2 \(weights discarded"):
         llm.sleep(4)  # the weights are gone already: a level-2 sleep is what is left
-    assert llm.memory_usage()["level"] == 2 and llm.engine.sleep_mode.weights_discarded
+    assert llm.memory_usage()["level"] == 2 and llm.engine.lifecycle.weights_discarded
     llm.wake_up()
     llm.reload_weights()
     assert not differences(reference, run_round(llm, requests))
@@ -152,7 +155,7 @@ def test_an_undeclared_weight_write_is_caught(llm, requests, monkeypatch):
     reference = run_round(llm, requests)
     llm.sleep(1)
     llm.wake_up()
-    weight = next(llm.engine.model_runner.model.parameters())
+    weight = next(llm.engine.executor.driver.runner.model.parameters())
     with torch.no_grad():
         weight.view(-1)[0] += 1.0  # behind the engine's back
     monkeypatch.setenv("TORPOR_VERIFY_CLEAN_COPIES", "1")
@@ -161,7 +164,7 @@ def test_an_undeclared_weight_write_is_caught(llm, requests, monkeypatch):
     assert not llm.is_sleeping()  # a failed sleep leaves the engine awake
     with torch.no_grad():
         weight.view(-1)[0] -= 1.0
-    llm.engine.mark_weights_dirty()
+    llm.engine.collective_rpc("mark_weights_dirty")
     assert not differences(reference, run_round(llm, requests))
 
 

@@ -25,7 +25,7 @@ def awake(llm):
     yield
     if llm.is_sleeping():  # a failed test must not leave the shared engine asleep
         llm.wake_up()
-    if llm.engine.sleep_mode.weights_discarded:
+    if llm.engine.lifecycle.weights_discarded:
         llm.reload_weights()
 
 
@@ -54,7 +54,7 @@ def test_soak_exact_and_flat(llm, requests):
 
 def test_sleep_releases_memory_and_reports_it(llm):
     with torch.no_grad():
-        llm.engine.model_runner.kv_cache[0][0].fill_(1.0)  # touch KV pages so there is RSS to give back
+        llm.engine.executor.driver.runner.kv_cache[0][0].fill_(1.0)  # touch KV pages so there is RSS to give back
     before = llm.memory_usage()
     report = llm.sleep(1)
     asleep = llm.memory_usage()
@@ -144,8 +144,8 @@ def test_weights_must_be_restored_after_level_two(llm):
     assert not result.serving  # every tag awake, but the weights are zeros
     with pytest.raises(RuntimeError, match="reload_weights"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="missing"):
-        llm.update_weights([])  # after a level-2 sleep every weight must come
+    assert llm.update_weights([]) == 0  # after a level-2 sleep every weight must come: none did
+    assert not llm.state.serving and "tensors not written since" in llm.state.not_serving_reason()
     assert llm.update_weights(iter_checkpoint(llm.config.model)) > 0
     assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
 

@@ -6,10 +6,11 @@ two GPUs (tests/gpu/test_tensor_exchange.py); here a rank's part succeeds or rai
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torpor.engine.distributed import all_ranks_ok
+from torpor.engine.distributed import TPGroup
 from torpor.engine.symmetric_memory import SymmetricMemory
 from torpor.rl.engine_process import free_port
 
@@ -19,8 +20,8 @@ GROUP_TIMEOUT_S = 60
 class _Slots(SymmetricMemory):
     """The agreement of `map` with this rank's own part either made (a mapping recorded) or failed."""
 
-    def __init__(self, fails: bool) -> None:  # no device: the part `map` agrees on is given
-        self.agree, self.fails, self._handles, self.released = all_ranks_ok, fails, [], 0
+    def __init__(self, agree, fails: bool) -> None:  # no device: the part `map` agrees on is given
+        self.agree, self.fails, self._handles, self.released = agree, fails, [], 0
 
     def _map_slots(self) -> None:
         if self.fails:
@@ -34,9 +35,9 @@ class _Slots(SymmetricMemory):
 
 def _rank(rank: int, port: int, failing: list[int], results) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=GROUP_TIMEOUT_S))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    group = TPGroup.join(rank, 2, store, torch.device("cpu"), timeout_s=GROUP_TIMEOUT_S)  # the engine's own group
     try:
-        slots = _Slots(fails=rank in failing)
+        slots = _Slots(group.all_ok, fails=rank in failing)
         start = time.monotonic()
         try:
             slots.map()
@@ -45,7 +46,7 @@ def _rank(rank: int, port: int, failing: list[int], results) -> None:
             outcome = str(e)
         results.put((rank, outcome, slots.is_mapped, slots.released, time.monotonic() - start))
     finally:
-        dist.destroy_process_group()
+        group.shutdown()
 
 
 def _run(failing: list[int]) -> dict[int, tuple]:

@@ -22,7 +22,8 @@ import torch
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.config import EngineConfig
 from torpor.engine.weights.loader import iter_checkpoint
-from torpor.engine.worker_group import RankError, WorkerDiedError, check_devices
+from torpor.engine.executor import RankError, WorkerDiedError
+from torpor.engine.executor.multiproc import check_devices
 from torpor.memory import HostMemoryError
 from torpor.testing.harness import differences, fixed_requests, run_harness, run_round
 
@@ -63,7 +64,7 @@ def tp_llm(tiny_model_path, greedy_reference):
 class TestTwoRanks:
 
     def test_kv_cache_is_sharded_by_kv_heads(self, tp_llm):
-        assert tp_llm.engine.model_runner.kv_cache.shape[-2] == 1  # tiny: 2 kv heads over 2 ranks
+        assert tp_llm.engine.executor.driver.runner.kv_cache.shape[-2] == 1  # tiny: 2 kv heads over 2 ranks
 
     def test_greedy_outputs_equal_one_rank(self, tp_llm, greedy_reference):
         requests, reference = greedy_reference
@@ -77,7 +78,7 @@ class TestTwoRanks:
         usage = tp_llm.memory_usage()
         ranks = usage["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
-        assert ranks[0]["pid"] == os.getpid() and ranks[1]["pid"] == tp_llm.engine.model_runner.workers.processes[0].pid
+        assert ranks[0]["pid"] == os.getpid() and ranks[1]["pid"] == tp_llm.engine.executor.processes[0].pid
         assert [r["device"] for r in ranks] == ["cpu", "cpu"]
         for r in ranks:
             assert r["device_used_bytes"] > 0 and r["cuda_graphs"] == 0
@@ -97,7 +98,7 @@ class TestTwoRanks:
 
     def test_workers_ignore_ctrl_c(self, tp_llm, greedy_reference):
         requests, reference = greedy_reference
-        worker = tp_llm.engine.model_runner.workers.processes[0]
+        worker = tp_llm.engine.executor.processes[0]
         os.kill(worker.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches every process of its group
         time.sleep(0.2)
         assert worker.is_alive()
@@ -135,7 +136,7 @@ def test_sleep_failing_on_one_rank_leaves_every_rank_awake(tiny_model_path):
 def test_killed_worker_is_reported_not_a_hang(tiny_model_path):
     llm = LLM(tiny_model_path, tensor_parallel_size=2, tp_timeout_s=30.0, **OPTIONS)
     try:
-        worker = llm.engine.model_runner.workers.processes[0]
+        worker = llm.engine.executor.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
         start = time.perf_counter()
@@ -154,11 +155,11 @@ def test_a_failed_step_leaves_the_engine_unusable_not_hung(tiny_model_path):
 
     llm = LLM(tiny_model_path, tensor_parallel_size=2, enable_sleep_mode=False, tp_timeout_s=60.0, **OPTIONS)
     try:
-        worker = llm.engine.model_runner.workers.processes[0]
+        worker = llm.engine.executor.processes[0]
         bad = Sequence("no-blocks", [1, 2, 3], SamplingParams())  # no KV blocks: the step fails on every rank
         start = time.perf_counter()
         with pytest.raises(IndexError):  # rank 0's own error
-            llm.engine.model_runner.run([bad], True)
+            llm.engine.executor.driver.runner.run([bad], True)
         worker.join(timeout=10)
         assert worker.exitcode == 1  # the worker replied its error, then left: the ranks may be out of step
         with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+, exit code 1\)"):
@@ -170,7 +171,7 @@ def test_a_failed_step_leaves_the_engine_unusable_not_hung(tiny_model_path):
 
 def test_close_stops_the_workers(tiny_model_path):
     llm = LLM(tiny_model_path, tensor_parallel_size=2, **OPTIONS)
-    processes = llm.engine.model_runner.workers.processes
+    processes = llm.engine.executor.processes
     start = time.perf_counter()
     llm.close()  # every rank leaves together (a barrier first: NCCL's teardown is collective)
     assert time.perf_counter() - start < 5
@@ -194,7 +195,7 @@ def test_workers_exit_when_rank_0_dies(tiny_model_path):
     script = ("import sys, time; from torpor.engine import LLM; "
               f"llm = LLM({tiny_model_path!r}, tensor_parallel_size=2, device='cpu', max_model_len=64, "
               "enable_sleep_mode=False); "
-              "print(llm.engine.model_runner.workers.processes[0].pid, flush=True); time.sleep(60)")
+              "print(llm.engine.executor.processes[0].pid, flush=True); time.sleep(60)")
     rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         worker_pid = int(rank0.stdout.readline())

@@ -37,13 +37,13 @@ def _answers(llm) -> list[list[int]]:
 
 
 def _rope(llm) -> torch.Tensor:
-    return llm.engine.model_runner.model.model.rotary_emb.cos_sin_cache.clone()
+    return llm.engine.executor.driver.runner.model.model.rotary_emb.cos_sin_cache.clone()
 
 
 # ---- validation ---------------------------------------------------------------------------------------
 def test_checks_hold_after_the_same_names_were_accepted(tiny_model_path):
     llm = LLM(tiny_model_path, **ENGINE)
-    model = llm.engine.model_runner.model
+    model = llm.engine.executor.driver.runner.model
     named = list(iter_checkpoint(tiny_model_path))
     check_update(model, named, strict=True)  # every (name, shape, dtype) accepted once
     name, tensor = named[1]

@@ -26,7 +26,6 @@ import torch
 from server_thread import ServerThread, wait_for
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.weight_transfer import receiver_of
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.server import ServerConfig, build_app, weight_pipeline
@@ -85,7 +84,7 @@ def _served(server) -> list:
 
 
 def _weights(server) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in server.llm.engine.model_runner.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in server.llm.engine.executor.driver.runner.model.named_parameters()}
 
 
 def _post(server, payload: dict, push_id: str | None, index: int, flush: bool = False) -> httpx.Response:
@@ -107,7 +106,7 @@ def test_a_push_in_flight_lands_whole_and_stages_off_the_engine_thread(server, n
     phases = report.engine_phases
     assert {"finite", "copy", "release", "total"} <= set(phases)
     assert {"stage", "stage_decode", "stage_check", "stage_plan"} <= set(phases)  # some requests were staged
-    assert receiver_of(server.llm.engine)._staged == []  # nothing staged is left holding the trainer's memory
+    assert server.llm.engine.weights._staged == []  # nothing staged is left holding the trainer's memory
 
 
 def test_requests_of_one_push_apply_in_index_order(server, new_weights_path, old_weights):
@@ -158,14 +157,14 @@ def test_a_push_through_reused_buffers_maps_each_once_and_keeps_nothing_after_it
     post = pusher._post
 
     def noting(request, headers):
-        kept_midway.append(receiver_of(server.llm.engine).kept(headers["X-Torpor-Push-Id"]))
+        kept_midway.append(server.llm.engine.weights.kept(headers["X-Torpor-Push-Id"]))
         return post(request, headers)
 
     pusher._post = noting
     report = pusher.push(iter_checkpoint(new_weights_path))
     assert report.requests >= 20
     assert len(set(opened)) <= 2 * 4 < report.requests  # 4 buffers, each grown at most once
-    assert max(kept_midway) >= 2 and receiver_of(server.llm.engine).kept() == 0
+    assert max(kept_midway) >= 2 and server.llm.engine.weights.kept() == 0
     assert _served(server) == expected.new
 
 
@@ -174,7 +173,7 @@ def test_kept_mappings_go_with_a_sleep_and_with_a_push_that_stops(server, new_we
     """A push that keeps its buffers mapped and then sends nothing more (its trainer died) keeps nothing after
     KEPT_IDLE_S; a sleep of the weights releases the mappings at once."""
     monkeypatch.setattr(weight_pipeline, "KEPT_IDLE_S", 0.5)
-    receiver = receiver_of(server.llm.engine)
+    receiver = server.llm.engine.weights
     buckets = _buckets(new_weights_path)
     for push_id in ("stops", "sleeps"):
         for index in range(2):
@@ -226,11 +225,11 @@ def test_nothing_after_a_failed_request_is_written(server, tiny_model_path, new_
     reference = LLM(tiny_model_path, **ENGINE)  # the old weights with the requests before the failed one
     for bucket in _buckets(new_weights_path)[:failing]:
         reference.update_weights_from_tensor(bucket.payload(), load_format="flattened_bucket")
-    expected = dict(reference.engine.model_runner.model.named_parameters())
+    expected = dict(reference.engine.executor.driver.runner.model.named_parameters())
     after = _weights(server)
     assert all(torch.equal(after[n], expected[n]) for n in after)
     assert any(not torch.equal(after[n], before[n]) for n in after) == (failing > 0)
-    assert receiver_of(server.llm.engine)._staged == []
+    assert server.llm.engine.weights._staged == []
 
 
 def test_requests_queued_behind_a_failing_copy_write_nothing(server, tiny_model_path, new_weights_path, old_weights):
@@ -248,13 +247,13 @@ def test_requests_queued_behind_a_failing_copy_write_nothing(server, tiny_model_
         wait_for(lambda: order.next == 1, 30, "request 0 queued")
         answers += [pool.submit(_post, server, b.payload(), "queued", i) for i, b in enumerate(buckets) if i]
         wait_for(lambda: order.next == 4, 30, "requests 1-3 staged and queued")
-        assert len(receiver_of(server.llm.engine)._staged) == 3
+        assert len(server.llm.engine.weights._staged) == 3
         release.set()
         answers = [a.result() for a in answers]
     assert answers[0].status_code == 400 and "non-finite" in answers[0].text, answers[0].text
     assert all(a.status_code == 409 and "request 0 of this push failed" in a.text for a in answers[1:])
     assert all(torch.equal(before[n], p) for n, p in _weights(server).items())
-    assert receiver_of(server.llm.engine)._staged == []
+    assert server.llm.engine.weights._staged == []
 
 
 async def _hold(engine, release: threading.Event) -> None:
@@ -291,7 +290,7 @@ def test_two_pushes_at_once_each_land_in_order(server, tiny_model_path, new_weig
 # ---- a sleep in the middle of a push ------------------------------------------------------------------
 def test_a_staged_update_is_dropped_unwritten_when_the_weights_go_to_sleep(server, new_weights_path, old_weights):
     """Deterministic, on the engine thread's own terms: stage (another thread), sleep, then the copy's turn."""
-    receiver = receiver_of(server.llm.engine)
+    receiver = server.llm.engine.weights
     bucket = _buckets(new_weights_path)[0]
     staged = _run_off_thread(receiver.stage, [serialize(bucket.payload())], "flattened_bucket")
     assert len(staged.pairs) == len(bucket.metadata) and receiver._staged == [staged]
@@ -307,7 +306,7 @@ def test_a_staged_update_is_dropped_unwritten_when_the_weights_go_to_sleep(serve
 
 
 def test_nothing_is_opened_while_a_sleep_or_wake_runs(server, new_weights_path):
-    receiver = receiver_of(server.llm.engine)
+    receiver = server.llm.engine.weights
     payload = [serialize(_buckets(new_weights_path)[0].payload())]
     with ThreadPoolExecutor(1) as pool:
         with receiver.held(drop=False):  # what a sleep or wake holds
@@ -339,7 +338,7 @@ def test_a_sleep_arriving_mid_push_fails_it_cleanly(server, new_weights_path, ex
             pusher.push_buckets(buckets)
         sleeper.result(60)
     assert slept.is_set()
-    assert receiver_of(server.llm.engine)._staged == []
+    assert server.llm.engine.weights._staged == []
     assert server.admin.post("/wake_up").status_code == 200
     assert not server.admin.get("/health").json()["serving"]  # discarded again: only a whole push will do
     WeightPusher(server.url, ADMIN, bucket_bytes=SMALL, in_flight=2).push(iter_checkpoint(new_weights_path))
@@ -415,7 +414,7 @@ def test_a_trainer_that_dies_mid_push_leaves_a_level_2_engine_not_serving(server
     assert server.admin.post("/wake_up", params={"tags": "weights"}).status_code == 200
     code, out, err = _trainer(server, new_weights_path, die_after=4)
     assert code == 3, (out, err)
-    wait_for(lambda: receiver_of(server.llm.engine)._staged == [], 30, "the requests in flight to end")
+    wait_for(lambda: server.llm.engine.weights._staged == [], 30, "the requests in flight to end")
     time.sleep(0.5)  # requests the server had received have answered (their trainer is gone)
     assert not server.admin.post("/wake_up", params={"tags": "kv_cache"}).json()["serving"]
     code, out, err = _trainer(server, new_weights_path)

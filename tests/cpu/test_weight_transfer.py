@@ -1,4 +1,4 @@
-"""Weights pushed by a trainer in another process (torpor/engine/weight_transfer.py, torpor/rl): shared-memory
+"""Weights pushed by a trainer in another process (torpor/engine/weights/, torpor/rl): shared-memory
 payloads (SGLang's `update_weights_from_tensor`) in process and over HTTP, flattened buckets, the restricted
 unpickler against malicious pickles, checks before any write, level-2 pushes in several buckets, and the
 gloo process-group path (`init_weights_update_group` / `update_weights_from_distributed`) across real
@@ -26,7 +26,7 @@ from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.engine.weights.payload import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
 from torpor.engine.weights.transport import await_work
-from torpor.engine.worker_group import RankError
+from torpor.engine.executor import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.rl.engine_process import free_port
 from torpor.server import ServerConfig, build_app
@@ -243,9 +243,9 @@ def test_level_2_push_in_buckets_serves_once_complete(tiny_model_path, new_weigh
     buckets = list(bucket_named_tensors(iter_checkpoint(new_weights_path), bucket_bytes=200_000))
     assert len(buckets) > 1
     for i, bucket in enumerate(buckets):
-        assert llm.engine.sleep_mode.weights_discarded, f"valid before bucket {i} of {len(buckets)}"
+        assert llm.engine.lifecycle.weights_discarded, f"valid before bucket {i} of {len(buckets)}"
         llm.update_weights_from_tensor(bucket.payload(), load_format="flattened_bucket")
-    assert not llm.engine.sleep_mode.weights_discarded
+    assert not llm.engine.lifecycle.weights_discarded
     llm.wake_up(["kv_cache"])
     assert _answers(llm) == expected.new
 
@@ -265,9 +265,9 @@ def _second_half_then_whole(llm, first, second, expected, why: str) -> None:
     """The second half alone must not make the weights valid (`why` if it does); the first half after it does,
     and the engine answers with the new weights."""
     llm.update_weights_from_tensor(second)
-    assert llm.engine.sleep_mode.weights_discarded, why
+    assert llm.engine.lifecycle.weights_discarded, why
     llm.update_weights_from_tensor(first)
-    assert not llm.engine.sleep_mode.weights_discarded
+    assert not llm.engine.lifecycle.weights_discarded
     llm.wake_up()
     assert _answers(llm) == expected.new
 
@@ -275,7 +275,7 @@ def _second_half_then_whole(llm, first, second, expected, why: str) -> None:
 def test_a_second_level_2_sleep_mid_push_starts_the_count_over(tiny_model_path, new_weights_path, expected):
     llm, first, second = _half_pushed(tiny_model_path, new_weights_path)
     llm.wake_up()
-    assert llm.engine.sleep_mode.weights_discarded  # half a model: not serving
+    assert llm.engine.lifecycle.weights_discarded  # half a model: not serving
     llm.sleep(2)  # discards the first half again
     llm.wake_up(["weights"])
     _second_half_then_whole(llm, first, second, expected, "the first half was counted although discarded again")
@@ -287,7 +287,7 @@ def test_a_count_left_by_a_reload_does_not_make_a_later_mix_whole(tiny_model_pat
     discarded)."""
     llm, first, second = _half_pushed(tiny_model_path, new_weights_path)  # the second half still missing
     llm.reload_weights()  # valid again, from the checkpoint
-    assert not llm.engine.sleep_mode.weights_discarded
+    assert not llm.engine.lifecycle.weights_discarded
 
     def failing():
         yield first[0]

@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import save_file
 
 from torpor.engine import LLM, SamplingParams
-from torpor.engine.llm_engine import WEIGHTS_INVALID
 from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import iter_checkpoint
 
@@ -54,10 +53,10 @@ BAD_CHECKPOINTS = {
 def test_bad_reload_leaves_the_weights_untouched(llm, reference, tiny_model_path, tmp_path, case):
     change, message = BAD_CHECKPOINTS[case]
     path = scaled_checkpoint(tiny_model_path, tmp_path / "bad", change)
-    before = [p.clone() for p in llm.engine.model_runner.model.parameters()]
+    before = [p.clone() for p in llm.engine.executor.driver.runner.model.parameters()]
     with pytest.raises(CheckpointError, match=message):
         llm.reload_weights(path)
-    assert all(torch.equal(a, p) for a, p in zip(before, llm.engine.model_runner.model.parameters(), strict=True))
+    assert all(torch.equal(a, p) for a, p in zip(before, llm.engine.executor.driver.runner.model.parameters(), strict=True))
     assert outputs(llm) == reference
 
 
@@ -108,10 +107,9 @@ def test_non_finite_checkpoint_is_refused(llm, reference, tiny_model_path, tmp_p
     path = scaled_checkpoint(tiny_model_path, tmp_path / "nan", poison)
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.down_proj\.weight' holds non-finite"):
         llm.reload_weights(path)
-    with pytest.raises(RuntimeError, match="reload_weights"):
-        llm.generate(PROMPTS, GREEDY)
-    llm.reload_weights()
-    assert outputs(llm) == reference
+    # The reload wrote the weights before its finite check found the NaN: they were copied to the host first, and
+    # are put back, so the engine serves the previous weights, bit for bit.
+    assert llm.state.serving and outputs(llm) == reference
 
 
 def test_without_sleep_mode_a_mix_raises_on_generate(tiny_model_path):
@@ -125,9 +123,9 @@ def test_without_sleep_mode_a_mix_raises_on_generate(tiny_model_path):
 
     with pytest.raises(CheckpointError, match="the trainer went away"):
         llm.engine.update_weights(stream())
-    with pytest.raises(RuntimeError, match=WEIGHTS_INVALID[:40]):
+    with pytest.raises(RuntimeError, match="the weights are not whole"):
         llm.generate(PROMPTS, GREEDY)
-    with pytest.raises(ValueError, match="missing"):  # a part does not make the mix whole
-        llm.engine.update_weights(good[:1])
+    llm.engine.update_weights(good[:1])  # a part does not make the mix whole
+    assert not llm.state.serving and not llm.state.weights_valid
     llm.engine.update_weights(good)
     assert outputs(llm) == reference

@@ -60,12 +60,12 @@ def summary(outputs):
 def test_cuda_graphs_match_eager_exactly(checkpoints, dtype):
     path = str(checkpoints[dtype])
     graphs = LLM(path, **SMALL)
-    assert graphs.engine.model_runner.graphs is not None
+    assert graphs.engine.executor.driver.runner.graphs is not None
     with_graphs = summary(graphs.generate(prompts(), PARAMS))  # 5 sequences: the batch-8 graph, 3 padded rows
     with_graphs += summary(graphs.generate(prompts((7,), seed=1), PARAMS[:1]))  # the batch-1 graph
     del graphs
     eager = LLM(path, enforce_eager=True, **SMALL)
-    assert eager.engine.model_runner.graphs is None
+    assert eager.engine.executor.driver.runner.graphs is None
     expected = summary(eager.generate(prompts(), PARAMS)) + summary(eager.generate(prompts((7,), seed=1), PARAMS[:1]))
     assert with_graphs == expected
 
@@ -101,7 +101,7 @@ def test_every_tag_holds_its_buffers_and_nothing_escapes(checkpoints):
     untagged_before = memory.audit().untagged_bytes  # earlier tests' cuBLAS workspaces, HF caches, ...
     options = {**SMALL, "num_kv_blocks": None, "gpu_memory_utilization": utilization(0.05)}  # profiled
     llm = LLM(str(checkpoints["bfloat16"]), memory=memory, **options)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver.runner
     usage = memory.usage()
     for tag in ("weights", "kv_cache", "runtime", "workspace", "cuda_graph"):
         assert usage[tag].allocated_bytes > 0 or usage[tag].reserved_bytes > 0, tag
@@ -141,7 +141,7 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(checkpoints):
     # Every sequence at max_model_len would need 8 GiB of this model's KV cache: more than the budget.
     llm = LLM(path, device="cuda", max_model_len=4096, max_num_seqs=4096, enforce_eager=True,
               gpu_memory_utilization=budget)
-    config, kv_bytes = llm.config, llm.engine.model_runner.kv_cache.nbytes
+    config, kv_bytes = llm.config, llm.engine.executor.driver.runner.kv_cache.nbytes
     assert config.num_kv_blocks < config.max_num_seqs * config.max_num_blocks_per_seq
     assert kv_bytes > 0.01 * total  # most of the 2% went to the cache
     assert total - torch.cuda.mem_get_info()[0] <= budget * total  # and the engine stayed within its budget

@@ -51,7 +51,7 @@ def llm(model):
     if reason is not None:
         pytest.skip(f"the CUDA checkpoint API is not usable here: {reason}")
     engine = LLM(model, device="cuda", max_num_seqs=16, max_model_len=512, gpu_memory_utilization=0.3)
-    assert engine.engine.model_runner.graphs is not None  # CUDA graphs captured: they must survive
+    assert engine.engine.executor.driver.runner.graphs is not None  # CUDA graphs captured: they must survive
     return engine
 
 
@@ -70,7 +70,7 @@ def awake(llm):
     yield
     if llm.is_sleeping():
         llm.wake_up()
-    if llm.engine.sleep_mode.weights_discarded:
+    if llm.engine.lifecycle.weights_discarded:
         llm.reload_weights()
 
 

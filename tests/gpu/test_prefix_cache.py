@@ -82,7 +82,7 @@ def test_caching_on_equals_caching_off_with_cuda_graphs(model_path):
     gc.collect()
     torch.cuda.empty_cache()
     on = LLM(model_path, **ENGINE)
-    assert on.engine.model_runner.graphs is not None  # CUDA graphs on
+    assert on.engine.executor.driver.runner.graphs is not None  # CUDA graphs on
     cold = on.generate(prompts, params)  # hits within the batch
     warm = on.generate(prompts, params)  # hits from the first round: whole heads cached
     assert all(o.num_cached_tokens >= 64 for o in warm)

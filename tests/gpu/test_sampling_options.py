@@ -95,7 +95,7 @@ def test_generate_with_options_on_cuda(checkpoint):
     common = dict(dtype="float32", max_model_len=256, max_num_seqs=8, block_size=16)
     llm = LLM(str(checkpoint), device="cuda", num_kv_blocks=64, **common)
     backend = llm.memory._backend
-    assert backend.find(llm.engine.model_runner.sampler.history.rows.data_ptr()).tag == "runtime"
+    assert backend.find(llm.engine.executor.driver.runner.sampler.history.rows.data_ptr()).tag == "runtime"
     graphs = llm.generate(PROMPTS, PARAMS)
     del llm
     gc.collect()

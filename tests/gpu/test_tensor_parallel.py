@@ -164,7 +164,7 @@ def test_tiny_model_starts_on_two_gpus_matches_one_and_sleeps_exactly():
     start = time.perf_counter()
     two = LLM(path, tensor_parallel_size=2, **TINY)
     start_s = time.perf_counter() - start
-    worker = two.engine.model_runner.workers.processes[0]
+    worker = two.engine.executor.processes[0]
     try:
         ranks = check_placement(two)
         say(f"tiny TP=2: started in {start_s:.1f} s; " + "; ".join(

@@ -21,7 +21,7 @@ from server_thread import ServerThread  # noqa: E402
 from trainer_process import start_trainer, stderr_of, tiny_checkpoints  # noqa: E402
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
-from torpor.engine.weight_transfer import receiver_of  # noqa: E402
+
 from torpor.server import ServerConfig, build_app  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, block_size=16, num_kv_blocks=64)
@@ -96,7 +96,7 @@ def test_a_sleep_drops_a_staged_ipc_update_and_the_trainer_gets_its_memory(serve
     try:
         payload = trainer.stdout.readline().strip()
         assert payload, stderr_of(trainer)
-        receiver = receiver_of(llm.engine)
+        receiver = llm.engine.weights
         with ThreadPoolExecutor(1) as pool:  # staged on another thread, as the server's staging thread does
             staged = pool.submit(receiver.stage, [payload], "flattened_bucket").result(60)
         assert staged.ready is not None and staged.pairs

@@ -170,7 +170,7 @@ def weight_bytes_read(engine) -> int:
 
 def _rank0(engine):
     """The engine's ModelRunner (rank 0's under tensor parallelism)."""
-    return getattr(engine.model_runner, "local", engine.model_runner)
+    return getattr(engine.executor.driver.runner, "local", engine.executor.driver.runner)
 
 
 def kv_bytes_per_token(engine) -> int:
@@ -183,7 +183,7 @@ def _gpu_step_seconds(engine, device: torch.device, repeats: int = 50) -> float:
     request is finished: its slot writes land in freed blocks). Falls back to eager off CUDA."""
     from torpor.engine.cuda_graphs import run_decode
 
-    runner = engine.model_runner
+    runner = engine.executor.driver.runner
     with torch.inference_mode():
         def step() -> None:
             if runner.graphs is not None:

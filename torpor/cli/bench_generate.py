@@ -134,7 +134,7 @@ class DecodeStepTimer:
 
     def __init__(self, llm, device: torch.device) -> None:
         self.engine, self.on_cuda = llm.engine, device.type == "cuda"
-        runner = self.engine.model_runner
+        runner = self.engine.executor.driver.runner
         self.runner, self.local = runner, getattr(runner, "local", runner)  # tensor parallel: rank 0's runner
         self.starts: list[float] = []        # perf_counter at the start of every step
         self.decode: list[int] = []          # indices of the decode steps among them

@@ -182,7 +182,7 @@ def loader_figures(llm, model: str, device: str) -> dict:
     from torpor.engine.weights.index import checkpoint_files, read_headers
     from torpor.engine.weights.loader import load_weights_reference
 
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver.runner
     local = getattr(runner, "local", runner)  # rank 0 under tensor parallelism
     files = checkpoint_files(model)
     nbytes = sum(e.nbytes for e in read_headers(model))

@@ -187,6 +187,11 @@ class Lifecycle:
         return self._s.missing
 
     @property
+    def draining(self) -> bool:
+        """A sleep waits for the running requests (none starts meanwhile)."""
+        return self._s.draining
+
+    @property
     def updating(self) -> str | None:
         return self._s.updating
 

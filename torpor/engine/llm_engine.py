@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -46,11 +47,13 @@ DEFAULT_GROUP_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class WakeResult:
-    """What a `wake_up` did: the memory report, which tags woke, and whether the engine serves."""
+    """What a `wake_up` did: the memory report, which tags woke, whether the engine serves, and the seconds of the
+    whole wake (the context's restore included)."""
 
     report: Report | None
     woken: tuple[str, ...]
     serving: bool
+    seconds: float = 0.0
 
 
 class RequestError(ValueError):
@@ -459,7 +462,7 @@ class LLMEngine:
     def wake_up(self, tags: list[str] | None = None) -> WakeResult:
         """Wake `tags` (all when None); any wake also restores every tag but weights and kv_cache. The engine serves
         again once every tag is awake and its weights are whole."""
-        lc = self.lifecycle
+        lc, start = self.lifecycle, time.perf_counter()
         targets = lc.plan_wake(tags)
         with self.weights.held(drop=False):
             if lc.context_released:
@@ -468,7 +471,7 @@ class LLMEngine:
             if "kv_cache" in targets:
                 self.scheduler.reset_blocks()  # the cache came back zeroed: no block holds anything
             lc.woke(targets)
-        return WakeResult(report, tuple(targets), lc.serving)
+        return WakeResult(report, tuple(targets), lc.serving, time.perf_counter() - start)
 
     # ---- the weights (every write: weights/receiver.py) --------------------------------------
     def reload_weights(self, path: str | None = None) -> None:

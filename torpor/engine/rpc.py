@@ -4,7 +4,7 @@ One table for both callers: `LLM.collective_rpc(method, args, kwargs)` in Python
 `POST /collective_rpc`. `check(method, args, kwargs)` raises ValueError naming the method and the bad
 argument (unknown method, wrong arity or keyword, wrong type); `call(target, ...)` then runs it on an
 object with the engine's method names (an `LLM` or an `LLMEngine`). Each method runs once from rank 0
-and reaches every tensor-parallel rank itself (see parallel_runner.py).
+and reaches every tensor-parallel rank itself (through the engine's executor).
 """
 
 import inspect

@@ -51,8 +51,8 @@ class Position:
         headers = {"X-Torpor-Push-Id": self.push_id, "X-Torpor-Push-Index": str(self.index)}
         if self.keep:
             headers["X-Torpor-Push-Keep"] = str(min(self.keep, 999))  # the engine keeps 16 at most
-            if last:
-                headers["X-Torpor-Push-Last"] = "1"
+        if last:  # the push commits with its last request: the engine serves none of it before
+            headers["X-Torpor-Push-Last"] = "1"
         self.index += 1
         return headers
 

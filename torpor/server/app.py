@@ -55,9 +55,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine thread runs (asleep or not), 503 once it has stopped."""
-        if not server.engine.alive:
-            return SafeJSONResponse({"status": "dead"}, status_code=503)
+        """200 while the engine can serve (asleep or not); 503 with the reason once it cannot (its thread stopped,
+        a tensor-parallel worker died or is stopped): what an orchestrator restarts a server on."""
+        problem = server.engine.health()
+        if problem is not None:
+            return SafeJSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return SafeJSONResponse({"status": "ok", "is_sleeping": server.engine.sleeping,
                                  "serving": server.engine.serving})
 

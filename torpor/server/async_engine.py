@@ -1,12 +1,14 @@
-"""`AsyncEngine`: one `LLMEngine` driven by one thread, awaited from asyncio.
+"""`AsyncEngine`: one `LLMEngine` driven by one thread, with a typed asynchronous API for the server.
 
-The engine thread is the only one that touches the engine. It runs every queued command (add or
-abort a request, sleep, wake, reload, read memory) between steps, and steps while there is work;
-otherwise it blocks on its inbox (it never spins). The engine's outputs (finished ones and, for
-streaming requests, each step's text and token deltas, built by the engine) go back to the event loop
-with `call_soon_threadsafe`. The engine's state (`LLMEngine.state()`) is published after every
-command. A step that raises fails the requests it was serving (they get the error) and the thread
-goes on; a sleep or wake resolves only once it is complete.
+The engine thread is the only one that touches the engine. It runs every queued command (add or abort a
+request, sleep, wake, reload, an update, a reading) between steps, and steps while there is work; otherwise it
+blocks on its inbox (it never spins). The engine's outputs (finished ones and, for streaming requests, each
+step's text and token deltas) go back to the event loop with `call_soon_threadsafe`. The engine's state is
+published after every command. A step that raises fails the requests it was serving (they get the error) and the
+thread goes on; a sleep or wake resolves only once it is complete. Every control operation is logged: one INFO
+line when it succeeds (what, level or tags, seconds, bytes), a WARNING when it fails.
+
+The routes call only this API (never the `LLMEngine` behind it).
 """
 
 from __future__ import annotations
@@ -16,14 +18,22 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from torpor.engine.llm_engine import EngineState, LLMEngine
+import torch
+
+from torpor.engine.lifecycle import EngineState
+from torpor.engine.llm_engine import LLMEngine, WakeResult
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
+from torpor.engine.weights.receiver import PushPosition, StagedUpdate
+from torpor.memory import Report
 
 logger = logging.getLogger("torpor.server")
+RECEIVE_POLL_S = 0.005  # how often a distributed update's receive is asked whether it finished
 
 
 class EngineDeadError(RuntimeError):
@@ -34,6 +44,18 @@ class EngineStepError(RuntimeError):
     """An engine step raised; the requests it was serving were aborted (the engine thread goes on)."""
 
 
+@dataclass(frozen=True)
+class SleepResult:
+    """What a sleep (or a release of tags) did: its memory report (None: nothing was released), the level after it,
+    whether it changed the level, and the seconds of the whole sleep on the engine thread (waiting for running
+    requests included; the report's are the memory's part)."""
+
+    report: Report | None
+    level: int | None
+    changed: bool
+    seconds: float
+
+
 _Command = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
 
 
@@ -41,10 +63,11 @@ class AsyncEngine:
     """Serves one `LLMEngine`; once started, only the engine thread touches it."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
+        self.weight_version: str = "default"  # the label of the weights served (set by updates that name one)
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its stream's queue; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -62,14 +85,24 @@ class AsyncEngine:
     def sleeping(self) -> bool:
         return self.state.is_sleeping
 
+    def state_fields(self) -> dict:
+        """What every control answer carries: whether a sleep level is set and whether requests run."""
+        return {"is_sleeping": self.sleeping, "serving": self.serving}
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve (its thread stopped, a dead or stopped worker), or None. Any thread."""
+        if not self.alive:
+            return f"the engine thread has stopped ({self.dead!r})"
+        return self._engine.health()
+
     # ---- life cycle ----------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will await the engine."""
         if self._thread is not None:
             raise RuntimeError("the AsyncEngine is already started")
-        if self.engine.served_by is not None:
-            raise RuntimeError(f"the engine is already served by {self.engine.served_by}")
-        self.engine.served_by = "a running AsyncEngine (the server)"
+        if self._engine.served_by is not None:
+            raise RuntimeError(f"the engine is already served by {self._engine.served_by}")
+        self._engine.served_by = "a running AsyncEngine (the server)"
         self._loop = asyncio.get_running_loop()
         self._serving_event, self._idle_event = asyncio.Event(), asyncio.Event()
         (self._serving_event if self.serving else self._idle_event).set()
@@ -94,7 +127,7 @@ class AsyncEngine:
         one finished."""
         request_stream = RequestStream(self, request_id)
         try:
-            await self.call(self._add, request_id, prompt_token_ids, params, stream, request_stream.queue)
+            await self._call(self._add, request_id, prompt_token_ids, params, stream, request_stream.queue)
         except asyncio.CancelledError:  # the add still runs: abort after it (the inbox is FIFO)
             self._submit(self._abort, request_id)
             raise
@@ -103,10 +136,10 @@ class AsyncEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise the engine's `RequestError` if it would refuse this request (asleep or not; reads only
         the tokenizer and the configuration, so any thread may call it)."""
-        self.engine.make_sequence(prompt_token_ids, params, "check")
+        self._engine.make_sequence(prompt_token_ids, params, "check")
 
     async def wait_until_serving(self, timeout: float | None) -> bool:
-        """True once the engine serves (awake, weights valid); False after `timeout` seconds."""
+        """True once the engine serves (awake, weights whole); False after `timeout` seconds."""
         try:
             await asyncio.wait_for(self._serving_event.wait(), timeout)
             return True
@@ -121,41 +154,147 @@ class AsyncEngine:
                 return
 
     # ---- control (each runs in the engine thread between steps) ------------------------
-    async def sleep(self, level: int = 1, mode: str = "wait"):
-        return await self.call(self.engine.sleep, level, mode)
+    async def sleep(self, level: int = 1, mode: str = "wait") -> SleepResult:
+        return await self._control("sleep", f"level {level}", self._sleep, self._engine.sleep, level, mode)
 
-    async def wake_up(self, tags: list[str] | None = None):
-        return await self.call(self.engine.wake_up, tags)
+    async def release_tags(self, tags: list[str], mode: str = "wait") -> SleepResult:
+        return await self._control("release", f"tags {tags}", self._sleep, self._engine.release_tags, tags, mode)
 
-    async def reload_weights(self, path: str | None = None) -> None:
-        return await self.call(self.engine.reload_weights, path)
+    def _sleep(self, operation: Callable[..., Report | None], *args: Any) -> SleepResult:
+        before, start = self._engine.lifecycle.level, time.perf_counter()
+        report = operation(*args)
+        after = self._engine.lifecycle.level
+        return SleepResult(report, after, after != before, time.perf_counter() - start)
+
+    async def wake_up(self, tags: list[str] | None = None) -> WakeResult:
+        return await self._control("wake_up", f"tags {tags or 'all'}", self._engine.wake_up, tags)
+
+    async def reload_weights(self, path: str | None = None) -> float:
+        """The reload's seconds on the engine thread."""
+        return await self._control("reload_weights", path or "the model's checkpoint", _timed_call,
+                                   self._engine.reload_weights, path)
 
     async def update_weights(self, named_tensors) -> int:
-        return await self.call(self.engine.update_weights, named_tensors)
+        return await self._control("update_weights", "in process", self._engine.update_weights, named_tensors)
 
-    async def is_sleeping(self) -> bool:
-        return await self.call(self.engine.is_sleeping)
+    async def update_weights_from_tensor(self, serialized: list[str], load_format: str | None, flush_cache: bool,
+                                         push: PushPosition | None) -> int:
+        """A whole request on the engine thread (the pipeline's path when nothing is in flight beside it)."""
+        return await self._call(self.push_unstaged, serialized, load_format, flush_cache, push)
 
-    async def memory_usage(self) -> dict:
-        """The engine's memory usage; under tensor parallelism with every rank's ("ranks")."""
-        return await self.call(self.engine.memory_usage)
+    def push_unstaged(self, serialized, load_format: str | None, flush_cache: bool,
+                      push: PushPosition | None) -> int:
+        """Engine thread (the pipeline queues it in its push's order)."""
+        with self._engine.weights.keeping(push):
+            return self._engine.update_weights_from_tensor(serialized, load_format, flush_cache, None, push)
 
-    async def stats(self) -> dict:
-        """Request counts and, with sleep mode, `memory_usage()`, read consistently between steps."""
-        return await self.call(self._stats)
+    def stage(self, serialized: list[str], load_format: str | None) -> StagedUpdate:
+        """The pipeline's staging thread: open and check a payload while the engine thread copies another."""
+        return self._engine.weights.stage(serialized, load_format)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(*args)` in the engine thread between steps; its result or exception."""
-        return await self.submit(fn, *args)
+    def push_staged(self, staged: StagedUpdate, flush_cache: bool, push: PushPosition | None) -> int:
+        """Engine thread: the copy of a staged payload."""
+        with self._engine.weights.keeping(push):
+            return self._engine.weights.apply_staged(staged, flush_cache, push)
+
+    def discard_staged(self, staged: StagedUpdate) -> None:
+        """Engine thread: release a staged payload that will not be copied."""
+        self._engine.weights.discard_staged(staged)
+
+    def end_push(self, push_id: str, reason: str | None) -> None:
+        """Engine thread: a push that will send nothing more (`reason`: why it is given up; None: it ended) keeps
+        nothing of its trainer's memory, and one still in progress ends as a failure."""
+        if reason is None:
+            self._engine.weights.forget(push_id)
+        elif self._engine.weights.abandon(push_id, reason):
+            logger.warning("weight push %s abandoned: %s", push_id, reason)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Queue `fn(*args)` for the engine thread now (commands run in the order they were queued); the
-        future resolves with its result or exception. Call from the event loop."""
+        """Queue `fn(*args)` — one of this class's engine-thread methods — for the engine thread now (commands run
+        in the order they were queued); the future resolves with its result or exception. Call from the loop."""
         if not self.alive:
             raise EngineDeadError(f"the engine thread has stopped ({self.dead!r})")
         future = self._loop.create_future()
         self._inbox.put((fn, args, future))
         return future
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str | None,
+                                        timeout: float) -> None:
+        what = f"group {group_name!r} at {master_address}:{master_port}, ranks from {rank_offset} of {world_size}"
+        if self.config.tensor_parallel_size == 1:
+            # The rendezvous waits for the trainer: off the engine thread, so requests keep being served.
+            start = time.perf_counter()
+            try:
+                await asyncio.to_thread(self._engine.init_weights_update_group, master_address, master_port,
+                                        rank_offset, world_size, group_name, backend, timeout)
+            except Exception as exc:
+                _log_failure("init_weights_update_group", what, exc)
+                raise
+            logger.info("init_weights_update_group %s: %.3f s", what, time.perf_counter() - start)
+            return
+        await self._control("init_weights_update_group", what, self._engine.init_weights_update_group,
+                            master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, flush_cache: bool, timeout: float) -> int:
+        """Every rank receives the trainer's broadcasts on a thread of its own while the engine thread goes on
+        serving on the old weights; once all arrived, the copy runs on the engine thread. A trainer that stops
+        broadcasting is given up after `timeout` seconds (the group is destroyed, nothing was written)."""
+        what = f"{len(names)} tensors from group {group_name!r}"
+        start = time.perf_counter()
+        weights = self._engine.weights
+        try:
+            await self._call(weights.start_receive, names, dtypes, shapes, group_name)
+            deadline = time.monotonic() + timeout
+            while not await self._call(weights.receive_done, group_name):
+                if time.monotonic() > deadline:
+                    await self._call(weights.wait_receive, group_name, 0.0)  # gives the group up, raises
+                await asyncio.sleep(RECEIVE_POLL_S)
+            count = await self._call(weights.apply_received, names, group_name, flush_cache)
+        except Exception as exc:
+            _log_failure("update_weights_from_distributed", what, exc)
+            raise
+        logger.info("update_weights_from_distributed %s: %.3f s", what, time.perf_counter() - start)
+        return count
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        return await self._control("destroy_weights_update_group", repr(group_name),
+                                   self._engine.destroy_weights_update_group, group_name)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(self._engine.reset_prefix_cache)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call(self._engine.is_sleeping)
+
+    async def memory_usage(self) -> dict:
+        """The engine's memory usage; under tensor parallelism with every rank's ("ranks")."""
+        return await self._call(self._engine.memory_usage)
+
+    async def stats(self) -> dict:
+        """Request counts and, with sleep mode, `memory_usage()`, read consistently between steps."""
+        return await self._call(self._stats)
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                             timeout: float | None = None) -> list:
+        return await self._control("collective_rpc", method, self._engine.collective_rpc, method, args, kwargs,
+                                   timeout)
+
+    async def _control(self, name: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A control operation on the engine thread, logged: INFO with its seconds (and bytes), WARNING when it
+        fails."""
+        start = time.perf_counter()
+        try:
+            result = await self._call(fn, *args)
+        except Exception as exc:
+            _log_failure(name, what, exc)
+            raise
+        logger.info("%s %s: %.3f s%s", name, what, time.perf_counter() - start, _bytes_moved(result))
+        return result
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.submit(fn, *args)
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         self._inbox.put((fn, args, None))
@@ -165,15 +304,17 @@ class AsyncEngine:
         try:
             self._serve()
         finally:
-            self.engine.served_by = None  # the engine is free for another driver again
+            self._engine.served_by = None  # the engine is free for another driver again
 
     def _serve(self) -> None:
         try:
-            _use_engine_device(self.engine)
+            device = self._engine.executor.driver.device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # a new thread starts on cuda:0; the engine's kernels go to its device
             while True:
                 try:
                     while True:  # commands first: they are cheap, and a sleep must not wait behind work
-                        command = self._inbox.get(block=not self.engine.has_work())
+                        command = self._inbox.get(block=not self._engine.has_work())
                         if command is None:
                             self._fail_all(EngineDeadError("the server is shutting down"))
                             self._fail_commands(EngineDeadError("the server is shutting down"))
@@ -196,7 +337,7 @@ class AsyncEngine:
             result = fn(*args)
         except Exception as exc:
             error = exc
-        if not self.engine.serving:
+        if not self._engine.serving:
             self._step()  # hands out what a sleep finished (drained or aborted); runs nothing
         self._publish_state()
         if future is not None:
@@ -204,11 +345,12 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests it was serving")
             self._fail_all(EngineStepError(f"the engine failed while serving this request: "
                                            f"{type(exc).__name__}: {exc}"))
+            self._publish_state()
             return
         deliveries: list[tuple[asyncio.Queue, Any]] = []
         for output in outputs:
@@ -220,18 +362,18 @@ class AsyncEngine:
 
     def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: bool,
              request_queue: asyncio.Queue) -> None:
-        self.engine.add_request(token_ids, params, request_id, stream)
+        self._engine.add_request(token_ids, params, request_id, stream)
         self._queues[request_id] = request_queue
 
     def _abort(self, request_id: str) -> None:
         if self._queues.pop(request_id, None) is not None:
-            self.engine.abort_request(request_id)
+            self._engine.abort_request(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         deliveries = []
         for request_id, request_queue in list(self._queues.items()):
             try:
-                self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
             except Exception:
                 logger.exception("could not abort request %s", request_id)
             deliveries.append((request_queue, error))
@@ -250,13 +392,13 @@ class AsyncEngine:
                 self._post(_resolve, command[2], None, error)
 
     def _stats(self) -> dict:
-        state = self.engine.state()
-        memory = self.engine.memory_usage() if self.engine.sleep_mode is not None else None
+        state = self._engine.state()
+        memory = self._engine.memory_usage() if self._engine.memory is not None else None
         return {"num_running": state.num_running, "num_waiting": state.num_waiting, "serving": state.serving,
-                "memory": memory, "prefix_cache": self.engine.prefix_cache_stats()}
+                "memory": memory, "prefix_cache": self._engine.prefix_cache_stats()}
 
     def _publish_state(self) -> None:
-        state = self.engine.state()
+        state = self._engine.state()
         if state.serving != self.state.serving:
             self._post(self._serving_event.set if state.serving else self._serving_event.clear)
             self._post(self._idle_event.clear if state.serving else self._idle_event.set)
@@ -317,12 +459,18 @@ def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
         request_queue.put_nowait(item)
 
 
-def _use_engine_device(engine) -> None:
-    """Make the engine's CUDA device current in this thread: a new thread starts on cuda:0, and the
-    engine's kernels (Triton launches, graph replays) and tensors must be on its device (`--device cuda:1`,
-    or rank 0 of a tensor-parallel engine placed after cuda:0)."""
-    device = getattr(getattr(engine, "model_runner", None), "device", None)
-    if device is not None and device.type == "cuda":
-        import torch
+def _timed_call(fn: Callable[..., Any], *args: Any) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
-        torch.cuda.set_device(device)
+
+def _bytes_moved(result: Any) -> str:
+    """", 15.26 GB" for a result that carries a memory report (a sleep's, a wake's), else nothing."""
+    report = getattr(result, "report", None)
+    moved = 0 if report is None else report.bytes_copied + report.bytes_released + report.bytes_mapped
+    return f", {moved / 1e9:.2f} GB moved" if moved else ""
+
+
+def _log_failure(name: str, what: str, exc: BaseException) -> None:
+    logger.warning("%s %s failed: %s: %s", name, what, type(exc).__name__, exc)

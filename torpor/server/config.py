@@ -18,7 +18,9 @@ class ServerConfig:
     asleep_timeout: seconds a request waits for a sleeping engine before 503 (None: waits until the
         wake); a request can set its own with the `X-Asleep-Timeout` header.
     allowed_weights_dir: `/reload_weights {"path"}` reads only inside this folder (symlinks resolved);
-        None: the served model's parent folder."""
+        None: the served model's parent folder.
+    push_idle_timeout_s: a weight push (torpor's push headers) none of whose requests came for this long is given
+        up as failed: its trainer died or stalled, and nothing runs while a push is in progress."""
 
     model_name: str
     admin_token: str | None = None
@@ -27,6 +29,7 @@ class ServerConfig:
     max_tokens_cap: int | None = None
     asleep_timeout: float | None = None
     allowed_weights_dir: str | None = None
+    push_idle_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -43,6 +46,9 @@ class ServerConfig:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                     or not math.isfinite(timeout) or timeout < 0):
             raise ValueError(f"asleep_timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        idle = self.push_idle_timeout_s
+        if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 < idle <= 3600:
+            raise ValueError(f"push_idle_timeout_s must be a number of seconds in (0, 3600], got {idle!r}")
         folder = self.allowed_weights_dir
         if folder is not None and (not isinstance(folder, str) or not folder or "\x00" in folder):
             raise ValueError(f"allowed_weights_dir must be a folder path or None, got {folder!r}")

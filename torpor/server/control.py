@@ -1,28 +1,26 @@
-"""The control plane: sleep, wake, reload, memory, plus the aliases RL frameworks already call
-(`/collective_rpc`, `/release_memory_occupation`, `/resume_memory_occupation`). Every endpoint needs
-the admin token except `GET /is_sleeping`, which is public (vLLM clients and RL frameworks poll it,
-and it tells nothing but a boolean).
+"""The control plane: sleep, wake, reload, memory, plus the aliases RL frameworks already call (`/collective_rpc`,
+`/release_memory_occupation`, `/resume_memory_occupation`, `/reset_prefix_cache`, `/flush_cache`). Every endpoint
+needs the admin token except `GET /is_sleeping`, which is public (vLLM clients and RL frameworks poll it, and it
+tells nothing but a boolean).
 
-Every operation runs in the engine thread between steps and answers once it is complete, with the
-engine's state after it: `is_sleeping` (a sleep level is set) and `serving` (requests run: every tag
-awake and the weights valid).
+Every operation runs in the engine thread between steps and answers once it is complete, with the engine's state
+after it: `is_sleeping` (a sleep level is set) and `serving` (requests run). Levels, modes and tags are checked by
+the engine (`torpor.engine.lifecycle`); their errors are 400s naming the parameter.
 
-`/reload_weights {"path": ...}` reads only inside the allowed weights directory (`--allowed-weights-dir`,
-default: the served model's parent folder), compared after resolving symlinks: a path outside is a 403,
-and a path inside that holds no loadable checkpoint gets one generic 400 whether or not it exists.
+`/reload_weights {"path": ...}` reads only inside the allowed weights directory (`--allowed-weights-dir`, default:
+the served model's parent folder), compared after resolving symlinks: a path outside is a 403, and a path inside
+that holds no loadable checkpoint gets one generic 400 whether or not it exists.
 
-SGLang's memory-occupation tags are engine tags of the same name: `weights` (offloaded: a host copy is
-kept, as SGLang's `enable_weights_cpu_backup`), `kv_cache` (discarded), `cuda_graph` (offloaded);
-the engine's own `runtime` and `workspace` tags may be named too. `release_memory_occupation` with
-`tags` releases only those (each with its level-1 action); without `tags` it sleeps at level 1.
-`resume_memory_occupation` wakes the named tags (any wake also restores runtime, workspace and
-cuda_graph), or everything.
+SGLang's memory-occupation tags are engine tags of the same name: `weights` (offloaded: a host copy is kept, as
+SGLang's `enable_weights_cpu_backup`), `kv_cache` (discarded), `cuda_graph` (offloaded); the engine's own `runtime`
+and `workspace` tags may be named too. `release_memory_occupation` with `tags` releases only those (each with its
+level-1 action); without `tags` it sleeps at level 1. `resume_memory_occupation` wakes the named tags (any wake also
+restores runtime, workspace and cuda_graph), or everything.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -30,10 +28,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from torpor.engine import rpc
-from torpor.engine.sleep_mode import SLEEP_LEVELS, SLEEP_TAGS
+from torpor.engine.lifecycle import SLEEP_TAGS, check_level, check_mode, check_tags
 from torpor.engine.weights.index import INDEX_FILE, SINGLE_FILE, CheckpointError, checkpoint_files
 from torpor.server.auth import require_admin
-from torpor.server.errors import APIError, engine_error, is_safetensors_error
+from torpor.server.errors import APIError, engine_call, engine_error, is_safetensors_error
 from torpor.server.protocol import invalid_unicode
 
 if TYPE_CHECKING:
@@ -81,29 +79,29 @@ async def wake_up(request: Request, tags: Annotated[list[str] | None, Query()] =
 async def is_sleeping(request: Request) -> dict:
     """Whether a sleep level is set (public: no token needed)."""
     server: ServerState = request.app.state.server
-    return {"is_sleeping": await _run(server.engine.is_sleeping())}
+    return {"is_sleeping": await engine_call(server.engine.is_sleeping())}
 
 
 @router.post("/reload_weights")
 async def reload_weights(request: Request, body: ReloadRequest | None = None) -> dict:
-    """Reload the checkpoint (or the one at `path`, inside the allowed weights directory) into the
-    same weight tensors."""
+    """Reload the checkpoint (or the one at `path`, inside the allowed weights directory) into the same weight
+    tensors."""
     return await _reload(request.app.state.server, body.path if body else None)
 
 
 @router.get("/memory")
 async def memory(request: Request) -> dict:
     server: ServerState = request.app.state.server
-    return await _run(server.engine.memory_usage())
+    return await engine_call(server.engine.memory_usage())
 
 
 @router.post("/collective_rpc")
 async def collective_rpc(body: RPCRequest, request: Request) -> dict:
-    """vLLM's form: {"method": name, "args": [...], "kwargs": {...}}; one result (one worker). The
-    methods and their arguments: sleep(level: int = 1, mode: str = "wait"), wake_up(tags: list[str] |
-    None = None), reload_weights(path: str | None = None), is_sleeping(), memory_usage()."""
+    """vLLM's form: {"method": name, "args": [...], "kwargs": {...}}; one result per rank. The engine's methods and
+    their arguments: sleep(level: int = 1, mode: str = "wait"), wake_up(tags: list[str] | None = None),
+    reload_weights(path: str | None = None), is_sleeping(), memory_usage(), and the weight-update calls."""
     server: ServerState = request.app.state.server
-    from torpor.server.weights_api import RPC_METHODS as WEIGHT_METHODS  # (a cycle at import time)
+    from torpor.server.weights_api import RPC_METHODS as WEIGHT_METHODS  # weights_api imports this module
 
     methods = {**RPC_METHODS, **WEIGHT_METHODS}
     try:  # the engine's table and argument checks, shared with LLM.collective_rpc
@@ -139,7 +137,7 @@ async def resume_memory_occupation(request: Request, body: TagsRequest | None = 
 async def reset_prefix_cache(request: Request) -> dict:
     """vLLM's form: forget every KV block cached for prefix reuse."""
     server: ServerState = request.app.state.server
-    return {"success": await _run(server.engine.call(server.engine.engine.reset_prefix_cache))}
+    return {"success": await engine_call(server.engine.reset_prefix_cache())}
 
 
 @router.post("/flush_cache", operation_id="flush_cache")
@@ -151,73 +149,56 @@ async def flush_cache(request: Request) -> dict:
 
 # ---- the operations -----------------------------------------------------------------------------
 async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dict:
-    if isinstance(level, bool) or not isinstance(level, int) or level not in SLEEP_LEVELS:
-        raise APIError(400, f"level must be one of {', '.join(map(str, SLEEP_LEVELS))}, got {level!r}", param="level")
-    if mode not in ("wait", "abort"):
-        raise APIError(400, f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}",
-                       param="mode")
-    start = time.perf_counter()
-    engine = server.engine.engine
-    report, _, changed = await _run(server.engine.call(_noting_level_change, engine, engine.sleep, level, mode))
-    seconds = time.perf_counter() - start
-    if changed:  # a no-op sleep (same or shallower level) is not counted
-        server.metrics.sleeps.labels(str(level)).inc()
-    server.metrics.sleep_seconds.observe(seconds)
-    return {"level": level, **_state(server), "seconds": seconds, "report": _report(report)}
+    _checked(check_level, level, "level")
+    _checked(check_mode, mode, "mode")
+    result = await engine_call(server.engine.sleep(level, mode))
+    return _answer(server, "sleep", result.seconds, result.report, level=level, changed=result.changed,
+                   sleep_level=level)
 
 
 async def _release(server: ServerState, tags: list[str]) -> dict:
-    start = time.perf_counter()
-    engine = server.engine.engine
-    report, level, changed = await _run(server.engine.call(_noting_level_change, engine, engine.release_tags, tags,
-                                                           "wait"))
-    seconds = time.perf_counter() - start
-    if changed:  # from awake (or level 0) to level 1
-        server.metrics.sleeps.labels("1").inc()
-        server.metrics.sleep_seconds.observe(seconds)
-    return {"level": level, "released": [t.tag for t in report.tags] if report is not None else [], **_state(server),
-            "seconds": seconds, "report": _report(report)}
+    result = await engine_call(server.engine.release_tags(tags, "wait"))
+    released = [t.tag for t in result.report.tags] if result.report is not None else []
+    return _answer(server, "sleep", result.seconds, result.report, level=result.level, released=released,
+                   changed=result.changed, sleep_level=1)
 
 
 async def _wake(server: ServerState, tags: list[str] | None = None) -> dict:
-    _check_tags(tags)
-    start = time.perf_counter()
-    result = await _run(server.engine.wake_up(tags))
-    seconds = time.perf_counter() - start
-    server.metrics.wakes.inc()
-    server.metrics.wake_seconds.observe(seconds)
-    return {"woken": list(result.woken), **_state(server), "seconds": seconds, "report": _report(result.report)}
+    if tags is not None:
+        _checked(check_tags, tags, "tags")
+    result = await engine_call(server.engine.wake_up(tags))
+    return _answer(server, "wake", result.seconds, result.report, woken=list(result.woken), changed=True)
 
 
 async def _reload(server: ServerState, path: str | None = None) -> dict:
     checkpoint = None if path is None else allowed_checkpoint_path(path, server.allowed_weights_dir)
-    start = time.perf_counter()
     try:
-        await server.engine.reload_weights(checkpoint)
+        seconds = await server.engine.reload_weights(checkpoint)
     except OSError:  # missing, not a folder, unreadable: one answer, so nothing is learnt about the disk
         raise APIError(400, NO_CHECKPOINT, param="path", code="invalid_checkpoint") from None
     except Exception as exc:
         # the loader's CheckpointError (a ValueError: bad file, shape, dtype, index), or safetensors' own
         if isinstance(exc, ValueError) or is_safetensors_error(exc):
-            raise APIError(400, f"the checkpoint cannot be loaded: {exc}", param="path",
+            state = server.engine.state_fields()
+            serving = "the engine serves the previous weights" if state["serving"] else \
+                "the engine does not serve until a reload or a complete update succeeds"
+            raise APIError(400, f"the checkpoint cannot be loaded: {exc} ({serving})", param="path",
                            code="invalid_checkpoint") from None
         raise engine_error(exc) from None
-    return {**_state(server), "seconds": time.perf_counter() - start}
+    return _answer(server, "reload", seconds, None)
 
 
 async def _is_sleeping(server: ServerState) -> bool:
-    return await _run(server.engine.is_sleeping())
+    return await engine_call(server.engine.is_sleeping())
 
 
 async def _memory_usage(server: ServerState) -> dict:
-    return await _run(server.engine.memory_usage())
+    return await engine_call(server.engine.memory_usage())
 
 
 # The engine's collective_rpc methods served over HTTP (their arguments are checked by engine/rpc.py).
 RPC_METHODS = {"sleep": _sleep, "wake_up": _wake, "reload_weights": _reload, "is_sleeping": _is_sleeping,
                "memory_usage": _memory_usage}
-
-
 
 
 # ---- helpers --------------------------------------------------------------------------------------
@@ -241,14 +222,6 @@ def allowed_checkpoint_path(path: str, allowed_dir: Path) -> str:
     return str(resolved)
 
 
-def _noting_level_change(engine, operation, *args) -> tuple[Report | None, int | None, bool]:
-    """Engine thread: `operation(*args)` (a sleep); its report, the sleep level after it (None: awake),
-    and whether it changed the level."""
-    before = engine.sleep_mode.level if engine.sleep_mode is not None else None
-    report = operation(*args)
-    return report, engine.sleep_mode.level, engine.sleep_mode.level != before
-
-
 def _engine_tags(tags: list[str]) -> list[str]:
     """SGLang tag names (and engine tag names) as engine tags; a 400 naming unknown ones."""
     unknown = sorted({t for t in tags if t not in SGLANG_TAGS and t not in SLEEP_TAGS})
@@ -258,25 +231,26 @@ def _engine_tags(tags: list[str]) -> list[str]:
     return sorted({engine_tag for t in tags for engine_tag in SGLANG_TAGS.get(t, (t,))}, key=SLEEP_TAGS.index)
 
 
-async def _run(awaitable):
+def _checked(check, value, param: str):
+    """The engine's own check of a control parameter, as a 400 naming it."""
     try:
-        return await awaitable
-    except Exception as exc:
-        raise engine_error(exc) from None
+        return check(value)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param) from None
 
 
-def _check_tags(tags: list[str] | None) -> None:
-    if tags is None:
-        return
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise APIError(400, f"tags must be a list of tag names, got {tags!r}", param="tags")
-    unknown = sorted(set(tags) - set(SLEEP_TAGS))
-    if unknown:
-        raise APIError(400, f"unknown tag(s) {unknown}; the engine's tags are {list(SLEEP_TAGS)}", param="tags")
-
-
-def _state(server: ServerState) -> dict:
-    return {"is_sleeping": server.engine.sleeping, "serving": server.engine.serving}
+def _answer(server: ServerState, kind: str, seconds: float, report: Report | None, changed: bool = False,
+            sleep_level: int | None = None, **fields: Any) -> dict:
+    """A control answer: the operation's fields, the engine's state after it, `seconds` (the whole operation on the
+    engine thread), the memory layer's report (its `seconds`: the memory's part), and the metrics of a sleep or wake
+    that changed something (a no-op sleep, same or shallower level, is not counted)."""
+    if kind == "sleep" and changed:
+        server.metrics.sleeps.labels(str(sleep_level)).inc()
+        server.metrics.sleep_seconds.observe(seconds)
+    elif kind == "wake":
+        server.metrics.wakes.inc()
+        server.metrics.wake_seconds.observe(seconds)
+    return {**fields, **server.engine.state_fields(), "seconds": seconds, "report": _report(report)}
 
 
 def _report(report: Report | None) -> dict | None:

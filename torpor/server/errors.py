@@ -17,6 +17,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from torpor.engine.executor import WorkerDiedError
+from torpor.memory import TorporMemoryError
+from torpor.server.async_engine import EngineDeadError, EngineStepError
+
 logger = logging.getLogger("torpor.server")
 
 # HTTP status -> the OpenAI error type a client sees when nothing more specific applies
@@ -85,12 +89,9 @@ def engine_error(exc: BaseException) -> APIError:
     """An engine or control-plane exception as an API error: bad arguments are the client's (400), a
     request the engine's state forbids (e.g. reload while the weights sleep) is a conflict (409),
     anything else (device memory, a bug) is a server error (500) that leaves the server running."""
-    from torpor.memory import TorporMemoryError
-    from torpor.server.async_engine import EngineDeadError, EngineStepError
-
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError | WorkerDiedError):
         return APIError(503, str(exc), code="engine_dead")
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), code="engine_error")
@@ -102,6 +103,14 @@ def engine_error(exc: BaseException) -> APIError:
         return APIError(409, str(exc))
     logger.error("engine error", exc_info=exc)
     return APIError(500, f"engine error: {type(exc).__name__}: {exc}")
+
+
+async def engine_call(awaitable):
+    """Await an engine operation; its exception as the API error `engine_error` makes of it."""
+    try:
+        return await awaitable
+    except Exception as exc:
+        raise engine_error(exc) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:

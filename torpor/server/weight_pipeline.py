@@ -18,11 +18,16 @@ Commands reach the engine thread in the order they are queued, and a request is 
 Under tensor parallelism, or for a payload that is not one entry, the request runs on the engine thread as
 before (its order and failure rule still apply).
 
+A push with the headers is one weight update (`WeightReceiver.write`): from its first write until the request
+marked `X-Torpor-Push-Last: 1` commits, nothing runs, and a push that fails, or sends nothing for
+`ServerConfig.push_idle_timeout_s`, ends as a failure — the old weights come back from their host copy when they
+can, else the engine does not serve until a complete update or a reload. Never a mix.
+
 A push whose trainer flattens its buckets into a few buffers reused in turn (`X-Torpor-Push-Keep: <n>`, sent by
 `WeightPusher.push` with its `torpor.rl.BucketRing`) has the storages the engine opened kept between its requests
-(`WeightReceiver.keeping`, at most MAX_KEPT), so each buffer is mapped once per push; they are released after the
-request marked `X-Torpor-Push-Last: 1`, after the push's first failure, by a sleep of the weights, or when no
-request of the push came for KEPT_IDLE_S.
+(`WeightReceiver.keeping`, at most MAX_KEPT), so each buffer is mapped once per push; they are released after its
+last request, after its first failure, by a sleep of the weights, or when no request of the push came for
+`push_idle_timeout_s`.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torpor.engine import phase_times, weight_transfer
+from torpor.engine import phase_times
+from torpor.engine.weights.receiver import PushPosition, StagedUpdate
 
 if TYPE_CHECKING:
     from torpor.server.async_engine import AsyncEngine
@@ -48,19 +54,6 @@ PUSH_LAST_HEADER = "x-torpor-push-last"  # "1" on a push's last request
 TURN_TIMEOUT_S = 60.0  # how long a request waits for the one before it in its push
 MAX_PUSHES = 64  # pushes whose order is remembered (the oldest is forgotten first)
 MAX_KEPT = 16  # mappings of a trainer's memory kept open per push, at most
-KEPT_IDLE_S = 10.0  # a push's kept mappings are released when no request of it came for this long
-
-
-@dataclass(frozen=True)
-class PushPosition:
-    """Where a request stands in its push (torpor's headers). `keep`: how many buffers the trainer cycles its
-    buckets through, so the engine keeps that many of its opened mappings until the push's `last` request (at
-    most MAX_KEPT; 0: each request's are released after its copy)."""
-
-    push_id: str
-    index: int
-    keep: int = 0
-    last: bool = False
 
 
 def push_position(headers: Mapping[str, str]) -> PushPosition | None:
@@ -116,8 +109,8 @@ class PushOrder:
 class WeightPipeline:
     """One server's pushes: the staging thread and the order of each push (see the module docstring)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: AsyncEngine, idle_timeout_s: float = 10.0) -> None:
+        self.engine, self.idle_timeout_s = engine, idle_timeout_s
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="torpor-weights-stage")
         self._pushes: OrderedDict[str, PushOrder] = OrderedDict()
         self._active = 0  # requests between their arrival and their answer
@@ -134,15 +127,18 @@ class WeightPipeline:
         when it was staged off the engine thread). A request that finds no other in flight runs wholly on the
         engine thread (nothing to overlap with: a thread hop less); one that finds another is staged."""
         self._active += 1
+        failed = False
         try:
             return await self._update(serialized, load_format, flush_cache, push)
-        except BaseException:
-            if push is not None and push.keep:  # a failed push keeps nothing of its trainer's memory
-                self._forget(push.push_id)
+        except BaseException as exc:
+            order = None if push is None else self._pushes.get(push.push_id)
+            if order is not None and order.failed_at is not None:  # the push failed: it ends now, as a failure
+                failed = True
+                self._forget(push.push_id, f"request {order.failed_at} of it failed ({type(exc).__name__})")
             raise
         finally:
             self._active -= 1
-            if push is not None and push.keep:
+            if push is not None and not failed:
                 self._forget_when_idle(push)
 
     async def _update(self, serialized: Any, load_format: str | None, flush_cache: bool,
@@ -178,43 +174,35 @@ class WeightPipeline:
         return self._active > 1 and self.engine.config.tensor_parallel_size == 1 and isinstance(serialized, list) \
             and len(serialized) == 1
 
-    # ---- mappings of a trainer's memory kept through its push (PushPosition.keep) ----------------------
-    @staticmethod
-    def _keeping(receiver: weight_transfer.WeightReceiver,
-                 push: PushPosition | None) -> contextlib.AbstractContextManager:
-        """Engine thread, around a request's copy: what it opened kept for its push's next requests (its
-        trainer reuses `push.keep` buffers), none of it after the push's last request."""
-        if push is None or not push.keep:
-            return contextlib.nullcontext()
-        return receiver.keeping(push.push_id, push.keep, push.last)
-
-    def _forget(self, push_id: str) -> None:
-        """Release a push's kept storages (on the engine thread, as every release of a trainer's memory)."""
+    # ---- the end of a push: its kept mappings released, an unfinished one given up -------------------------
+    def _forget(self, push_id: str, reason: str | None = None) -> None:
+        """The push ended (`reason` None) or is given up (`reason`): on the engine thread, as every release of a
+        trainer's memory, its kept storages go, and an update of it still in progress ends as a failure."""
         timer = self._forget_timers.pop(push_id, None)
         if timer is not None:
             timer.cancel()
         if self.engine.alive:
-            self.engine.submit(weight_transfer.receiver_of(self.engine.engine).forget, push_id)
+            self.engine.submit(self.engine.end_push, push_id, reason)
 
     def _forget_when_idle(self, push: PushPosition) -> None:
-        """A push that sends nothing for KEPT_IDLE_S (its trainer died, or gave up) keeps nothing open."""
+        """A push that sends nothing for `idle_timeout_s` (its trainer died, or stalled) keeps nothing open and, if
+        its update is still in progress, is given up: nothing runs while an update is in progress."""
         timer = self._forget_timers.pop(push.push_id, None)
         if timer is not None:
             timer.cancel()
         if not push.last:
             self._forget_timers[push.push_id] = asyncio.get_running_loop().call_later(
-                KEPT_IDLE_S, self._forget, push.push_id)
+                self.idle_timeout_s, self._forget, push.push_id, f"no request of it came for {self.idle_timeout_s:g} s")
 
     async def _stage(self, order: PushOrder | None, index: int, serialized: list[str],
-                     load_format: str | None) -> weight_transfer.StagedUpdate:
+                     load_format: str | None) -> StagedUpdate:
         """The payload opened and checked on the staging thread. A failure fails the push from this request on
         (once its turn came, so the order of the turns holds)."""
-        receiver = weight_transfer.receiver_of(self.engine.engine)
-        future = asyncio.get_running_loop().run_in_executor(self._stager, receiver.stage, serialized, load_format)
+        future = asyncio.get_running_loop().run_in_executor(self._stager, self.engine.stage, serialized, load_format)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:  # the handler went away: the staged tensors must not stay mapped
-            future.add_done_callback(lambda f: self._discard(receiver, f))
+            future.add_done_callback(self._discard)
             raise
         except Exception as exc:
             if order is not None:
@@ -223,14 +211,14 @@ class WeightPipeline:
             raise
 
     async def _in_turn(self, order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any,
-                       staged: weight_transfer.StagedUpdate | None = None) -> tuple[int, dict[str, float]]:
+                       staged: StagedUpdate | None = None) -> tuple[int, dict[str, float]]:
         """Queue `fn(order, index, *args)` for the engine thread once it is this request's turn; its result."""
         if order is not None:
             try:
                 await order.wait_turn(index, TURN_TIMEOUT_S)
             except (TimeoutError, ValueError) as exc:
                 if staged is not None:
-                    self.engine.submit(weight_transfer.receiver_of(self.engine.engine).discard_staged, staged)
+                    self.engine.submit(self.engine.discard_staged, staged)
                 if isinstance(exc, ValueError):  # a repeated index: refused, the push goes on (not its turn)
                     raise
                 reason = f"request {index - 1} of this push never came within {TURN_TIMEOUT_S:g} s"
@@ -250,21 +238,19 @@ class WeightPipeline:
             await order.wait_turn(index, TURN_TIMEOUT_S)
         await order.pass_turn(index)
 
-    def _discard(self, receiver: weight_transfer.WeightReceiver, future: asyncio.Future) -> None:
+    def _discard(self, future: asyncio.Future) -> None:
         """The staged update of a handler that went away, released on the engine thread."""
         if not future.cancelled() and future.exception() is None:
-            self.engine.submit(receiver.discard_staged, future.result())
+            self.engine.submit(self.engine.discard_staged, future.result())
 
-    def _apply(self, order: PushOrder | None, index: int, staged: weight_transfer.StagedUpdate,
+    def _apply(self, order: PushOrder | None, index: int, staged: StagedUpdate,
                flush_cache: bool, push: PushPosition | None) -> int:
         """Engine thread: the staged copy, unless an earlier request of its push failed."""
-        receiver = weight_transfer.receiver_of(self.engine.engine)
         refusal = order.refusal(index) if order is not None else None
         if refusal is not None:
-            receiver.discard_staged(staged)
+            self.engine.discard_staged(staged)
             raise RuntimeError(refusal)
-        with self._keeping(receiver, push):
-            return _failing(order, index, receiver.apply_staged, staged, flush_cache)
+        return _failing(order, index, self.engine.push_staged, staged, flush_cache, push)
 
     def _unstaged(self, order: PushOrder | None, index: int, serialized: Any, load_format: str | None,
                   flush_cache: bool, push: PushPosition | None) -> int:
@@ -273,9 +259,7 @@ class WeightPipeline:
         refusal = order.refusal(index) if order is not None else None
         if refusal is not None:
             raise RuntimeError(refusal)
-        with self._keeping(weight_transfer.receiver_of(self.engine.engine), push):
-            return _failing(order, index, weight_transfer.update_weights_from_tensor, self.engine.engine,
-                            serialized, load_format, flush_cache)
+        return _failing(order, index, self.engine.push_unstaged, serialized, load_format, flush_cache, push)
 
 
 def _failing(order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any) -> int:

@@ -8,30 +8,30 @@
   to the trainer (its rank 0 broadcasts every tensor in order).
 
 The payloads are unpickled by a restricted unpickler (torch tensors and storages only, see
-torpor/engine/weight_transfer.py); anything else is a 400 and is never called. Weights asleep: 409.
+torpor/engine/weights/payload.py); anything else is a 400 and is never called. Weights asleep: 409.
 Success answers `{"success": true, "message", "num_tensors", "seconds", "is_sleeping", "serving"}`;
 `update_weights_from_tensor` adds `timings` (torpor's extension): the engine thread's seconds per phase
 (decode, check, plan, finite, copy, sync, release, ..., total) and, for a request staged off the engine
 thread, the staging thread's (stage_decode, ..., stage), which `torpor bench weights` prints. torpor's optional
 headers `X-Torpor-Push-Id` / `X-Torpor-Push-Index` make requests one push: applied in index order, none after
-the first that failed (weight_pipeline.py).
+the first that failed, and one weight update: the engine never serves part of it (weight_pipeline.py).
+`update_weights_from_distributed` receives off the engine thread: requests keep being served on the old weights
+until every tensor arrived; a trainer that stops broadcasting is given up after `timeout` seconds (default: the
+group's).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from torpor.engine import weight_transfer
 from torpor.engine.weights.transport import DEFAULT_GROUP_TIMEOUT_S
 from torpor.server import weight_pipeline
 from torpor.server.auth import require_admin
-from torpor.server.control import _run, _state
-from torpor.server.errors import APIError
+from torpor.server.errors import APIError, engine_call
 
 if TYPE_CHECKING:
     from torpor.server.state import ServerState
@@ -42,34 +42,35 @@ DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
 
 class UpdateFromTensorRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # SGLang clients send more (weight_version, ...)
-    serialized_named_tensors: list[str]
-    load_format: str | None = None
-    flush_cache: bool = True
+    serialized_named_tensors: list[StrictStr]
+    load_format: StrictStr | None = None
+    flush_cache: StrictBool = True
 
 
 class InitGroupRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = DEFAULT_GROUP
-    backend: str | None = None  # None: nccl on GPU, gloo on CPU
-    timeout: float = DEFAULT_GROUP_TIMEOUT_S  # seconds for the group to form (torpor's)
+    master_address: StrictStr
+    master_port: StrictInt
+    rank_offset: StrictInt
+    world_size: StrictInt
+    group_name: StrictStr = DEFAULT_GROUP
+    backend: StrictStr | None = None  # None: nccl on GPU, gloo on CPU
+    timeout: StrictFloat | StrictInt = DEFAULT_GROUP_TIMEOUT_S  # seconds for the group to form (torpor's)
 
 
 class UpdateFromDistributedRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = DEFAULT_GROUP
-    flush_cache: bool = True
+    names: list[StrictStr]
+    dtypes: list[StrictStr]
+    shapes: list[list[StrictInt]]
+    group_name: StrictStr = DEFAULT_GROUP
+    flush_cache: StrictBool = True
+    timeout: StrictFloat | StrictInt = DEFAULT_GROUP_TIMEOUT_S  # seconds the broadcasts may take (torpor's)
 
 
 class DestroyGroupRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    group_name: str = DEFAULT_GROUP
+    group_name: StrictStr = DEFAULT_GROUP
 
 
 @router.post("/update_weights_from_tensor")
@@ -102,8 +103,9 @@ async def _update_from_tensor(server: ServerState, serialized_named_tensors: lis
     """Opened and checked off the engine thread, copied on it, in the push's order (weight_pipeline.py)."""
     start = time.perf_counter()
     if server.weights is None:
-        server.weights = weight_pipeline.WeightPipeline(server.engine)
-    count, timings = await _run(server.weights.update(serialized_named_tensors, load_format, flush_cache, push))
+        server.weights = weight_pipeline.WeightPipeline(server.engine, server.config.push_idle_timeout_s)
+    count, timings = await engine_call(server.weights.update(serialized_named_tensors, load_format, flush_cache,
+                                                             push))
     return {**_done(server, f"loaded {count} tensors", start, count), "timings": timings}
 
 
@@ -111,32 +113,29 @@ async def _init_group(server: ServerState, master_address: str, master_port: int
                       group_name: str = DEFAULT_GROUP, backend: str | None = None,
                       timeout: float = DEFAULT_GROUP_TIMEOUT_S, **_: Any) -> dict:
     start = time.perf_counter()
-    args = (server.engine.engine, master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
-    if server.engine.config.tensor_parallel_size == 1:
-        # The rendezvous waits for the trainer: off the engine thread, so requests keep being served.
-        await _run(asyncio.to_thread(weight_transfer.init_weights_update_group, *args))
-    else:  # every rank joins: through the engine's workers
-        await _run(server.engine.call(weight_transfer.init_weights_update_group, *args))
+    await engine_call(server.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                              group_name, backend, timeout))
     return _done(server, f"joined weights update group {group_name!r}", start)
 
 
 async def _update_from_distributed(server: ServerState, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                   group_name: str = DEFAULT_GROUP, flush_cache: bool = True, **_: Any) -> dict:
+                                   group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                                   timeout: float = DEFAULT_GROUP_TIMEOUT_S, **_: Any) -> dict:
     start = time.perf_counter()
-    count = await _run(server.engine.call(weight_transfer.update_weights_from_distributed, server.engine.engine,
-                                          names, dtypes, shapes, group_name, flush_cache))
+    count = await engine_call(server.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                                            flush_cache, timeout))
     return _done(server, f"loaded {count} tensors", start, count)
 
 
 async def _destroy_group(server: ServerState, group_name: str = DEFAULT_GROUP, **_: Any) -> dict:
     start = time.perf_counter()
-    await _run(server.engine.call(weight_transfer.destroy_weights_update_group, server.engine.engine, group_name))
+    await engine_call(server.engine.destroy_weights_update_group(group_name))
     return _done(server, f"destroyed weights update group {group_name!r}", start)
 
 
 def _done(server: ServerState, message: str, start: float, count: int | None = None) -> dict:
     return {"success": True, "message": message, "num_tensors": count, "seconds": time.perf_counter() - start,
-            **_state(server)}
+            **server.engine.state_fields()}
 
 
 # `POST /collective_rpc {"method": ...}` reaches these too (control.py adds them to its allowlist).

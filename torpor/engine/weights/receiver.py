@@ -103,8 +103,8 @@ class WeightReceiver:
     # ---- the one write path ------------------------------------------------------------------------------
     def check_awake(self, what: str) -> None:
         if self.lifecycle.is_asleep("weights") or self.lifecycle.context_released:
-            raise LifecycleError(f"{what}: the weights are asleep; wake them first (POST /wake_up?tags=weights, "
-                                 "or wake_up(['weights']))")
+            raise LifecycleError(f"{what}: the weights are asleep; call wake_up(['weights']) first (HTTP: POST "
+                                 "/wake_up?tags=weights)")
 
     def write(self, names: Collection[str] | None, copy: Callable[[], int], push: PushPosition | None = None,
               flush_cache: bool = True) -> int:
