@@ -66,6 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default 2048 (--kv-curve: 4096)")
     p.add_argument("--requests", type=int, default=64, help="requests in the bit-exact batch")
     p.add_argument("--soak-cycles", type=int, default=20)
+    p.add_argument("--cold-starts", type=int, default=3, help="--loader-only, --cold-start-only: starts of the "
+                   "default whose median is shown")
     modes = p.add_mutually_exclusive_group()
     modes.add_argument("--loader-only", action="store_true", help="only the weight rows: reload (page cache "
                        "warm and cold), level-2 wake + reload, cold starts by phase")
@@ -83,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.level3 and not device.startswith("cuda"):
         raise ValueError("--level3 needs a CUDA device (level 3 releases the CUDA context)")
+    for name in ("requests", "soak_cycles", "cold_starts"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_json_path(args.json)
     mode = next((m for m in MODES if getattr(args, m)), "default")
     seqs, length = SIZES.get(mode, DEFAULT_SIZES)
@@ -281,14 +286,15 @@ def run_loader(model: str, args: argparse.Namespace, run_: Run, results: dict) -
     progress(f"building the engine ({run_.model} on {run_.gpu})")
     llm, results["build_s"] = build(model, args)
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=sp.max_tokens, ignore_eos=True))
-                for p, sp in fixed_requests(8, vocab_size(model), max_prompt=64, max_tokens=16)]
+                for p, sp in fixed_requests(8, vocab_size(model), max_prompt=min(64, args.max_model_len - 17),
+                                               max_tokens=16)]
     before = run_round(llm, requests)
     results["weights"] = weight_rows(llm, model)
     results["weights"]["answers_unchanged"] = not differences(before, run_round(llm, requests))
     llm.close()
     del llm
     release(args.device)
-    results["cold_starts"] = cold_starts(model, args)
+    results["cold_starts"] = cold_starts(model, args, args.cold_starts)
     out = console()
     out.print(run_.header())
     print_weights(out, run_, results)
@@ -320,7 +326,7 @@ def run_cold_starts(model: str, args: argparse.Namespace, run_: Run, results: di
     the bytecode), then `cold_starts`."""
     progress("a first cold start, not counted")
     cold_start(model, args.device, engine_options(args))
-    results["cold_starts"] = cold_starts(model, args)
+    results["cold_starts"] = cold_starts(model, args, args.cold_starts)
     out = console()
     out.print(run_.header())
     print_cold_starts(out, run_, results["cold_starts"])
