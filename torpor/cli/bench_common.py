@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -197,9 +198,11 @@ def profiled(fn, device: str):
     on_cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     sync(device)
-    with profile(activities=activities) as prof:
-        result = fn()
-        sync(device)
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=activities) as prof:
+            result = fn()
+            sync(device)
     if not on_cuda:
         return result, None, prof
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
@@ -212,10 +215,14 @@ def profiled(fn, device: str):
 
 
 def top_kernels(prof, on_cuda: bool, top: int = 20) -> list[dict]:
-    """The `top` kernels (on CPU: operators) by their own time: name, seconds, calls."""
+    """The `top` kernels and copies (on CPU: operators) by their own time: name, seconds, calls."""
+    from torch.autograd import DeviceType
+
     def own_us(event) -> float:
         if not on_cuda:
             return event.self_cpu_time_total
+        if event.device_type != DeviceType.CUDA:  # an operator: its kernels are counted as themselves
+            return 0.0
         return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
 
     events = sorted((e for e in prof.key_averages() if own_us(e) > 0), key=own_us, reverse=True)[:top]

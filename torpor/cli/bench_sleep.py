@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from torpor.cli.bench_common import (
     BESIDE_PHASES,
     MiB,
@@ -47,6 +49,7 @@ from torpor.cli.bench_common import (
     warm_page_cache,
     write_json,
 )
+from torpor.memory import device_used_bytes
 
 KV_CURVE = (0.15, 0.5, 0.85, 0.9)  # gpu_memory_utilization of each engine of --kv-curve
 MODES = ("loader_only", "cold_start_only", "soak_only", "kv_curve", "level3")
@@ -82,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = resolve_device(args.device)
+    device = args.device = resolve_device(args.device)
     if args.level3 and not device.startswith("cuda"):
         raise ValueError("--level3 needs a CUDA device (level 3 releases the CUDA context)")
     for name in ("requests", "soak_cycles", "cold_starts"):
@@ -98,25 +101,19 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {"run": run_.describe(), "mode": mode, "max_num_seqs": args.max_num_seqs,
                      "max_model_len": args.max_model_len}
     if device.startswith("cuda"):
-        import torch
-
         torch.zeros(1, device=device)  # the bare context: what every asleep figure is compared with
-    from torpor.memory import device_used_bytes  # (the bench modules import torpor's packages when they run)
-
     results["bare_context_bytes"] = device_used_bytes(device)
     results["link_gbps"] = pinned_bandwidth(device) if device.startswith("cuda") else {}
-    if mode == "level3":
-        exact = run_level3(model, args, run_, results)
-    else:
-        exact = {"default": run_default, "loader_only": run_loader, "cold_start_only": run_cold_starts,
-                 "soak_only": run_soak, "kv_curve": run_kv_curve}[mode](model, args, run_, results)
+    bench = {"default": run_default, "loader_only": run_loader, "cold_start_only": run_cold_starts,
+             "soak_only": run_soak, "kv_curve": run_kv_curve, "level3": run_level3}[mode]
+    exact = bench(model, args, run_, results)
     write_json(args.json, results)
     return 0 if exact else 1
 
 
 def build(model: str, args: argparse.Namespace, **options):
     """An `LLM` of the bench's sizes, and the seconds its construction took in this process."""
-    from torpor import LLM
+    from torpor import LLM  # (the benches import the engine when they run, not when `torpor` builds its parser)
 
     start = time.perf_counter()
     llm = LLM(model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -337,11 +334,12 @@ def print_cold_starts(out, run_: Run, starts: dict[str, dict]) -> None:
     """One column per start: its seconds by phase (imports, the LLM's start-up phases, the rest of the
     start-up, the first token), the whole from launch to first token last."""
     names = list(dict.fromkeys(p for s in starts.values() for p in s["startup_phases"] if p != "total"))
+    names = [n for n in names if n not in BESIDE_PHASES] + [n for n in names if n in BESIDE_PHASES]
     rows = [["imports (torch, torpor)", *(fmt_s(s["imports_s"]) for s in starts.values())]]
     for name in names:
-        label = name + (f" ({where})" if (where := BESIDE_PHASES.get(name)) else "")
+        label = f"  {name} ({where})" if (where := BESIDE_PHASES.get(name)) else name
         rows.append([label, *(fmt_s(s["startup_phases"].get(name)) for s in starts.values())])
-    rows.append(["start-up outside these phases", *(fmt_s(s["engine_other_s"]) for s in starts.values())])
+    rows.append(["start-up outside the phases above", *(fmt_s(s["engine_other_s"]) for s in starts.values())])
     rows.append(["first token", *(fmt_s(s["first_token_s"]) for s in starts.values())])
     rows.append(["launch to first token", *(fmt_s(s["total_s"]) for s in starts.values())])
     goal = run_.goal("<= 4 s for the default")
@@ -533,17 +531,14 @@ def print_level3(run_: Run, r: dict) -> None:
     level1_wake = r["rows"][0]["wake_s"]
     goals = {0: run_.goal("sleep <= 400 ms"), 1: run_.goal("sleep <= 50 ms"),
              3: run_.goal(f"0 B asleep in the process; wake <= {fmt_s(level1_wake + 0.3)} (level 1 + 300 ms)")}
-    rows = []
-    for i, row in enumerate(r["rows"]):
-        driver = {**row["checkpoint_driver_s"], **row["restore_driver_s"]}
-        share = ", ".join(f"{k} {fmt_s(v)}" for k, v in driver.items())
-        rows.append([row["name"], fmt_s(row["sleep_s"]), fmt_bytes(row["copied_bytes"]), fmt_s(row["wake_s"]),
-                     fmt_bytes(row["process_awake_bytes"]), fmt_bytes(row["process_asleep_bytes"]),
-                     fmt_bytes(row["device_asleep_bytes"]), fmt_s(row["checkpoint_s"]), fmt_s(row["restore_s"]),
-                     share, goals.get(i, "")])
+    rows = [[row["name"], fmt_s(row["sleep_s"]), fmt_bytes(row["copied_bytes"]), fmt_s(row["wake_s"]),
+             fmt_bytes(row["process_awake_bytes"]), fmt_bytes(row["process_asleep_bytes"]),
+             fmt_bytes(row["device_asleep_bytes"]), fmt_s(row["checkpoint_s"]), fmt_s(row["restore_s"]),
+             goals.get(i, "")] for i, row in enumerate(r["rows"])]
     out.print(table("sleep levels 1, 3 and 4",
                     ["case", "sleep", "copied", "wake", "process awake (NVML)", "process asleep (NVML)",
-                     "device in use asleep", "checkpoint", "restore", "of them, the driver", "goal"], rows,
+                     "device in use asleep", "context checkpoint", "its restore", "goal"], rows,
                     caption="process '-': no NVML reading; 0 B awake: NVML does not list this process (another PID "
-                            "namespace), and 0 B asleep then proves nothing"))
+                            "namespace), and 0 B asleep then proves nothing. The driver's share of the checkpoint "
+                            "and the restore: --json"))
     print_harness(out, r)
