@@ -158,9 +158,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a GPU", file=sys.stderr)
         return 2
-    from torpor.cli.bench_sleep import resolve_model
+    from torpor.cli.bench_common import resolve_model
 
-    model = resolve_model(args.model, "cuda")
+    model, _ = resolve_model(args.model, "cuda")
     {"engine": engine, "phases": phases, "throughput": throughput}[args.part](model)
     return 0
 

@@ -78,22 +78,22 @@ def test_demo_with_a_preset_name_says_how_to_make_it(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("bench", ["decode", "sleep", "memory"])
 def test_bench_on_cuda_without_cuda(capsys, monkeypatch, bench):
-    from torpor.cli import bench_decode
+    import torpor.synthetic
 
-    monkeypatch.setattr(bench_decode, "checkpoint", lambda *a: pytest.fail("a checkpoint was written"))
+    monkeypatch.setattr(torpor.synthetic, "cached_model_path", lambda *a, **k: pytest.fail("a checkpoint was written"))
     err = one_line_error(capsys, ["bench", bench, "--device", "cuda"], "CUDA is not available")
     assert err.startswith(f"torpor bench {bench}: error:")
 
 
 def test_bench_generate_defaults_to_the_tiny_model_on_cpu(capsys, monkeypatch):
-    from torpor.cli import bench_generate
+    import torpor.synthetic
 
     asked = []
 
-    def checkpoint(preset, root):
+    def cached_model_path(preset, **options):
         asked.append(preset)
         raise OSError("stop here")
 
-    monkeypatch.setattr(bench_generate, "checkpoint", checkpoint)
+    monkeypatch.setattr(torpor.synthetic, "cached_model_path", cached_model_path)
     one_line_error(capsys, ["bench", "generate", "--device", "cpu"], "stop here")
     assert asked == ["tiny"]  # not qwen3-0.6b: 1.2 GB written and a GPU-sized workload on the CPU

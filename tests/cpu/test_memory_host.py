@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -238,12 +239,15 @@ def test_audit_reports_late_allocations_with_their_stack(mm):
     assert mm.usage()["runtime"].sealed
 
 
-@pytest.mark.slow  # a subprocess
-def test_bench_memory_command_runs_and_reports_identical():
+def test_bench_memory_command_runs_and_reports_identical(tmp_path, capsys):
+    from torpor.cli.main import main
+
+    out = tmp_path / "bench.json"
     command = ["bench", "memory", "--device", "cpu", "--size", "0.03", "--num-small", "8", "--cycles", "2"]
-    result = subprocess.run([sys.executable, "-m", "torpor", *command], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "yes" in result.stdout and "NO" not in result.stdout
+    assert main([*command, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(r["identical"] and r["sleep_s"] > 0 and r["wake_s"] > 0 for r in rows)
+    assert "sleep (offload) and wake (restore)" in capsys.readouterr().out
 
 
 def test_reserve_host_makes_the_copies_ahead_of_the_first_sleep(tmp_path):

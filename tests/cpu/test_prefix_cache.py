@@ -311,7 +311,7 @@ def test_preempted_samples_recompute_and_finish(tiny_model_path):
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
+def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path, capsys):
     from torpor.cli.main import main
 
     out = tmp_path / "bench.json"
@@ -322,14 +322,13 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
 
     result = json.loads(out.read_text())
     assert result["cached"]["output_tokens"] == result["uncached"]["output_tokens"] == 3 * 3 * 4
-    # the prompts share nothing; each prompt is computed once and its 2 forked samples reuse all of it
-    assert result["cached"]["hit_rate"] == pytest.approx(2 / 3) and result["uncached"]["hit_rate"] == 0
-    assert result["cached"]["computed_prompt_tokens"] == 3 * 20
-    assert result["transformers"]["output_tokens"] == 3 * 4
-    profile = result["cached"]["profile"]  # where the time goes: the top operators (kernels on a GPU)
-    assert profile["busy_s"] > 0 and len(profile["top"]) == 20 and profile["top"][0]["ms"] > 0
-    steps = result["cached"]["decode_steps"]  # wall time per decode step; the device's needs CUDA events
-    assert steps["steps"] == 3 and steps["wall_ms"] > 0 and steps["device_ms"] is None
+    assert result["transformers"]["output_tokens"] == 3 * 4 and result["caching_speedup"] > 0
+    top = result["cached"]["profile_top"]  # where the time goes: the top operators (kernels on a GPU)
+    assert len(top) == 20 and top[0]["s"] > 0
+    steps = result["cached"]["decode_steps"]  # wall time per decode step; the device's needs CUDA
+    assert steps["steps"] == 3 and steps["wall_s"] > 0 and steps["device_s"] is None
+    printed = capsys.readouterr().out
+    assert "output tokens/s" in printed and "prefix caching on against off" in printed
 
 
 # ---- randomized stress: the real engine, a small KV cache, mixed requests and aborts ----------------------

@@ -38,10 +38,9 @@ def _supported() -> str | None:
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from torpor.cli.bench_decode import checkpoint as preset
-    from torpor.env import Env
+    from torpor.synthetic import cached_model_path
 
-    return str(preset("qwen3-0.6b", Path(Env.read().cache_dir) / "models"))
+    return str(cached_model_path("qwen3-0.6b"))
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,16 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytestmark = pytest.mark.gpu
 
-from torpor.cli.bench_decode import checkpoint  # noqa: E402
 from torpor.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from torpor.engine.models import ModelConfig, build_model  # noqa: E402
 from torpor.engine.weights.loader import load_weights, load_weights_reference, read_headers  # noqa: E402
 from torpor.engine.weights.staging import StagingBuffers  # noqa: E402
-from torpor.env import Env  # noqa: E402
+from torpor.synthetic import cached_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def qwen3_06b() -> Path:
-    return checkpoint("qwen3-0.6b", Path(Env.read().cache_dir) / "models")
+    return cached_model_path("qwen3-0.6b")
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ so the GPU log shows how close the two paths are, beside the asserts."""
 
 import gc
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from torpor.cli.bench_decode import _cache_root, checkpoint  # noqa: E402
 from torpor.engine import LLM, SamplingParams  # noqa: E402
+from torpor.synthetic import cached_model_path  # noqa: E402
 from torpor.testing.harness import fixed_requests, run_harness  # noqa: E402
 
 ENGINE = dict(device="cuda", max_model_len=512, max_num_seqs=64, block_size=16, gpu_memory_utilization=0.4)
@@ -25,7 +24,7 @@ ENGINE = dict(device="cuda", max_model_len=512, max_num_seqs=64, block_size=16, 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    return str(checkpoint("qwen3-0.6b", Path(_cache_root()) / "models"))
+    return str(cached_model_path("qwen3-0.6b"))
 
 
 @pytest.fixture(autouse=True)

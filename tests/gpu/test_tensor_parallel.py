@@ -192,10 +192,9 @@ def test_tiny_model_starts_on_two_gpus_matches_one_and_sleeps_exactly():
 # ---- 2. qwen3-8b, one TP=2 engine for the module ----------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_8b() -> str:
-    from torpor.cli.bench_decode import checkpoint
-    from torpor.env import Env
+    from torpor.synthetic import cached_model_path
 
-    return str(checkpoint("qwen3-8b", Path(Env.read().cache_dir) / "models"))
+    return str(cached_model_path("qwen3-8b"))
 
 
 @pytest.fixture(scope="module")

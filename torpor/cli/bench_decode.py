@@ -1,22 +1,22 @@
-"""`torpor bench decode`: decode speed against the memory roofline, and batched throughput against
-Hugging Face transformers. Synthetic checkpoints are generated into the cache directory when missing.
+"""`torpor bench decode`: decode speed against the memory roofline, and batched throughput against Hugging Face
+transformers. Synthetic checkpoints are generated into the cache when missing.
 
-1. copy bandwidth: a device-to-device copy; bytes read + bytes written per second (what the memory
-   sustains for a streaming kernel).
-2. batch 1, per model (--models): greedy decode with CUDA graphs, tokens/s end to end (engine steps),
-   and the bytes each step must read -- the weights (the embedding table only where it is also the LM
-   head) plus the KV cache so far -- per second, as a fraction of the copy bandwidth. `gpu` repeats the
-   same step's graph + LM head without the host, to split kernel time from host overhead.
-3. throughput (--throughput-model): --num-requests requests with random prompt and output lengths through
-   `LLM.generate`, then through transformers' `generate` (batches of --hf-batch-size, left-padded, same
-   checkpoint, dtype and device); output tokens/s of each and the ratio. transformers runs each batch for
-   its longest output, so only the tokens requested count for it too.
+1. The roofline: a device-to-device copy, bytes read + bytes written per second (what the memory sustains for a
+   streaming kernel), measured in the same run.
+2. Batch 1, per model (`--models`): greedy decode with CUDA graphs through `LLM.generate`; seconds per decode
+   step = (a generate of 1 + `--decode-tokens` tokens - a generate of 1 token) / `--decode-tokens`, so the
+   prefill is not counted; tokens/s; the bytes each step must read (every weight, the embedding table only where
+   it is also the LM head, plus the KV cache so far) per second, as a fraction of the roofline. The device's
+   busy time per step (torch's profiler, the same subtraction) splits the kernels' time from the host's.
+3. Throughput (`--throughput-model`): `--num-requests` requests with random prompt and output lengths through
+   `LLM.generate`, then through transformers' `generate` (batches of `--hf-batch-size`, left-padded, same
+   checkpoint, dtype and device); output tokens/s of each and the ratio. transformers runs each batch for its
+   longest output, so only the tokens requested count for it too.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import time
@@ -24,18 +24,41 @@ from pathlib import Path
 
 import torch
 
-GB = 1e9
+from torpor.cli.bench_common import (
+    GB,
+    Run,
+    add_json_option,
+    check_json_path,
+    console,
+    copy_bandwidth,
+    fmt_bytes,
+    fmt_pct,
+    fmt_rate,
+    fmt_s,
+    profiled,
+    progress,
+    release,
+    resolve_device,
+    resolve_model,
+    sync,
+    table,
+    tensor_bytes,
+    write_json,
+)
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+PROFILED_STEPS = 64  # decode steps whose device time is measured (under the profiler: slower on the host)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("decode", help="decode tokens/s vs the memory roofline, throughput vs transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N (cpu only for smoke tests)")
-    p.add_argument("--models", default="qwen3-8b,qwen3-0.6b", help="presets for the batch-1 decode runs")
+    p.add_argument("--models", default="qwen3-8b,qwen3-0.6b", help="presets or folders for the batch-1 runs")
     p.add_argument("--throughput-model", default="qwen3-0.6b", help="preset for the throughput run ('' skips it)")
-    p.add_argument("--cache-dir", default=None, help="where checkpoints are generated (default: $TORPOR_CACHE/models)")
+    p.add_argument("--cache-dir", default=None, help="where presets are generated (default: $TORPOR_CACHE/models)")
     p.add_argument("--prompt-len", type=int, default=128, help="batch 1: prompt tokens")
-    p.add_argument("--decode-tokens", type=int, default=256, help="batch 1: tokens generated and timed")
+    p.add_argument("--decode-tokens", type=int, default=256, help="batch 1: decode steps timed")
     p.add_argument("--num-requests", type=int, default=256, help="throughput: requests")
     p.add_argument("--prompt-lens", default="32,512", help="throughput: min,max prompt tokens")
     p.add_argument("--output-lens", default="32,256", help="throughput: min,max output tokens")
@@ -46,203 +69,159 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--copy-gib", type=float, default=4.0, help="buffer size of the copy-bandwidth test")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (GPUs) per engine; the roofline fraction is then per GPU (rank 0's shard)")
+    p.add_argument("--tp-comm", choices=("nccl", "torpor"), default="nccl",
+                   help="tensor parallelism's collectives (EngineConfig.tp_comm)")
     p.add_argument("--sleep-cycle", action="store_true",
                    help="batch 1: measure again after a level-1 sleep and a full wake (the sleep's effect on speed)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine (--device cpu runs a smoke "
-                         "test)")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    cache = Path(args.cache_dir) if args.cache_dir else Path(_cache_root()) / "models"
-    results: dict = {"device": _device_name(device), "torch": torch.__version__}
+    device = resolve_device(args.device)
+    check_json_path(args.json)
+    run_ = Run(device, "")
+    results: dict = {"run": run_.describe(), "tensor_parallel_size": args.tensor_parallel_size,
+                     "tp_comm": args.tp_comm}
+    progress("the device's copy bandwidth")
     results["copy_gbps"] = copy_bandwidth(device, int(args.copy_gib * 2**30))
-    print(f"{results['device']}: device-to-device copy {results['copy_gbps']:.0f} GB/s (read + write)")
     results["batch1"] = []
-    for preset in [m for m in args.models.split(",") if m]:
-        row = bench_batch1(checkpoint(preset, cache), device, args, results["copy_gbps"])
-        results["batch1"].append({"model": preset, **row})
-        gpu = "" if row["gpu_step_ms"] is None else \
-            f"; gpu only: {row['gpu_step_ms']:.2f} ms, {100 * row['gpu_roofline_fraction']:.0f}%"
-        print(f"{preset} batch 1 (TP={args.tensor_parallel_size}): {row['tokens_per_s']:.1f} tok/s, "
-              f"{row['step_ms']:.2f} ms/step, {row['gbps']:.0f} GB/s = {100 * row['roofline_fraction']:.0f}% of "
-              f"copy bandwidth ({row['bytes_per_step'] / GB:.2f} GB/step{gpu})")
-        if "after_sleep_tokens_per_s" in row:
-            print(f"{preset} batch 1 after a level-1 sleep and wake: {row['after_sleep_tokens_per_s']:.1f} tok/s "
-                  f"({100 * (row['after_sleep_tokens_per_s'] / row['tokens_per_s'] - 1):+.1f}%)")
+    for name in filter(None, args.models.split(",")):
+        path, label = resolve_model(name, device, cache_dir=args.cache_dir)
+        progress(f"{label}: batch-1 decode")
+        results["batch1"].append({"model": label, **bench_batch1(path, device, args, results["copy_gbps"])})
     if args.throughput_model:
-        row = bench_throughput(checkpoint(args.throughput_model, cache), device, args)
-        results["throughput"] = {"model": args.throughput_model, **row}
-        line = (f"{args.throughput_model} throughput (TP={args.tensor_parallel_size}), {args.num_requests} requests: "
-                f"torpor "
-                f"{row['engine_tokens_per_s']:.0f} tok/s ({row['engine_s']:.1f} s)")
-        if row.get("hf_tokens_per_s"):
-            line += (f", transformers {row['hf_tokens_per_s']:.0f} tok/s ({row['hf_s']:.1f} s): "
-                     f"{row['ratio']:.1f}x")
-        print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        path, label = resolve_model(args.throughput_model, device, cache_dir=args.cache_dir)
+        progress(f"{label}: {args.num_requests} requests")
+        results["throughput"] = {"model": label, **bench_throughput(path, device, args)}
+    report(run_, results, args)
+    write_json(args.json, results)
     return 0
 
 
-def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
-    """GB/s of bytes read + written by `dst.copy_(src)` on the device."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
+def engine(path: str, device: str, args: argparse.Namespace, **options):
+    from torpor import LLM  # (the bench modules import torpor's engine when they run, not at `torpor`'s start)
+
+    return LLM(path, device=device, tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm,
+               **options)
+
+
+def step_bytes(path: str, tensor_parallel_size: int) -> tuple[int, int]:
+    """(weight bytes one decode step reads, KV-cache bytes per token), per rank: every tensor of the checkpoint,
+    except the embedding table where the LM head is separate (a step looks up one row of it); the KV cache's
+    K and V of every layer."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    sizes = tensor_bytes(path)
+    weights = sum(sizes.values())
+    embed = next((n for n in sizes if n.endswith("embed_tokens.weight")), None)
+    if embed is not None and "lm_head.weight" in sizes:
+        weights -= sizes[embed] - sizes[embed] // config["vocab_size"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    kv = config["num_hidden_layers"] * 2 * kv_heads * head_dim * ITEMSIZE[config.get("torch_dtype", "float32")]
+    return weights // tensor_parallel_size, kv // tensor_parallel_size
+
+
+def generate_seconds(llm, prompt: list[int], max_tokens: int, device: str) -> float:
+    from torpor import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sync(device)
     start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    del src, dst
-    _release(device)
-    return 2 * nbytes * repeats / seconds / GB
+    llm.generate([prompt], params)
+    sync(device)
+    return time.perf_counter() - start
 
 
-def checkpoint(preset: str, cache: Path) -> Path:
-    """The synthetic bf16 checkpoint of `preset` (seed 0), generated once into `cache` (the one cache
-    `torpor demo` uses too)."""
-    from torpor.synthetic import cached_model_path
+def decode_step_seconds(llm, prompt: list[int], steps: int, device: str) -> float:
+    """Seconds per decode step: a generate of 1 + `steps` tokens less one of 1 token (the prefill and the first
+    token: the median of 3), over `steps`."""
+    first = sorted(generate_seconds(llm, prompt, 1, device) for _ in range(3))[1]
+    return (generate_seconds(llm, prompt, 1 + steps, device) - first) / steps
 
-    return cached_model_path(preset, progress=True, models_dir=cache)
+
+def device_step_seconds(llm, prompt: list[int], steps: int, device: str) -> float | None:
+    """The device's busy seconds per decode step (kernels and copies, torch's profiler): a generate of
+    1 + `steps` tokens less one of 1, over `steps`; None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    busy = [profiled(lambda n=n: generate_seconds(llm, prompt, n, device), device)[1] for n in (1, 1 + steps)]
+    return (busy[1] - busy[0]) / steps
 
 
-def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, copy_gbps: float) -> dict:
-    from torpor.engine import LLM, SamplingParams
-
+def bench_batch1(path: str, device: str, args: argparse.Namespace, copy_gbps: float) -> dict:
     max_model_len = args.prompt_len + args.decode_tokens + 16
-    llm = LLM(str(path), device=str(device), max_model_len=max_model_len, max_num_seqs=1,
-              num_kv_blocks=-(-max_model_len // 16), block_size=16, tensor_parallel_size=args.tensor_parallel_size)
-    engine = llm.engine
-    prompt = _random_tokens(random.Random(args.seed), args.prompt_len, engine.vocab_size)
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-    step_s, num_steps = _decode_step_seconds(engine, prompt, args.decode_tokens, device)
-    # decode step k (1..num_steps) attends over prompt_len + k tokens
-    bytes_per_step = weight_bytes_read(engine) + kv_bytes_per_token(engine) * (args.prompt_len + (num_steps + 1) / 2)
-    row = dict(tokens_per_s=1 / step_s, step_ms=1e3 * step_s, bytes_per_step=bytes_per_step,
-               gbps=bytes_per_step / step_s / GB, roofline_fraction=bytes_per_step / step_s / GB / copy_gbps,
-               gpu_step_ms=None, gpu_roofline_fraction=None, cuda_graphs=_rank0(engine).graphs is not None)
-    if args.tensor_parallel_size == 1:  # a replay on rank 0 alone would wait for the workers' collectives
-        gpu_step_s = _gpu_step_seconds(engine, device)
-        row.update(gpu_step_ms=1e3 * gpu_step_s, gpu_roofline_fraction=bytes_per_step / gpu_step_s / GB / copy_gbps)
+    llm = engine(path, device, args, max_model_len=max_model_len, max_num_seqs=1,
+                 num_kv_blocks=-(-max_model_len // 16), block_size=16)
+    prompt = random_tokens(random.Random(args.seed), args.prompt_len, vocab(path))
+    generate_seconds(llm, prompt, 8, device)  # warm-up
+    steps = args.decode_tokens
+    step_s = decode_step_seconds(llm, prompt, steps, device)
+    weights, kv_per_token = step_bytes(path, args.tensor_parallel_size)
+    # decode step k (1..steps) attends over prompt_len + k tokens
+    nbytes = weights + kv_per_token * (args.prompt_len + (steps + 1) / 2)
+    device_s = device_step_seconds(llm, prompt, min(steps, PROFILED_STEPS), device)
+    row = {"tokens_per_s": 1 / step_s, "step_s": step_s, "bytes_per_step": nbytes,
+           "gbps": nbytes / step_s / GB, "roofline_fraction": nbytes / step_s / GB / copy_gbps,
+           "device_step_s": device_s,
+           "device_roofline_fraction": nbytes / device_s / GB / copy_gbps if device_s else None}
     if args.sleep_cycle:
         llm.sleep(1)
         llm.wake_up()
-        row["after_sleep_tokens_per_s"] = 1 / _decode_step_seconds(engine, prompt, args.decode_tokens, device)[0]
+        row["after_sleep_tokens_per_s"] = 1 / decode_step_seconds(llm, prompt, steps, device)
     llm.close()
-    del llm, engine
-    _release(device)
+    del llm
+    release(device)
     return row
 
 
-def _decode_step_seconds(engine, prompt: list[int], num_tokens: int, device: torch.device) -> tuple[float, int]:
-    """Seconds per decode step of one greedy request (the prefill step not counted), and the step count."""
-    from torpor.engine import SamplingParams
-
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
-    engine.step()  # the prefill and the first token
-    _sync(device)
-    start = time.perf_counter()
-    num_steps = 0
-    while not engine.is_finished():
-        engine.step()
-        num_steps += 1
-    _sync(device)
-    return (time.perf_counter() - start) / num_steps, num_steps
-
-
-def weight_bytes_read(engine) -> int:
-    """Parameter bytes one decode step reads: all of them, except the embedding table when the LM head
-    is separate (a step looks up one row of it)."""
-    model = _rank0(engine).model  # under tensor parallelism: rank 0's shard
-    total = sum(p.nbytes for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    return total if model.lm_head is None else total - embed.nbytes + embed[0].nbytes
-
-
-def _rank0(engine):
-    """The engine's ModelRunner (rank 0's under tensor parallelism)."""
-    return getattr(engine.executor.driver.runner, "local", engine.executor.driver.runner)
-
-
-def kv_bytes_per_token(engine) -> int:
-    kv_cache = _rank0(engine).kv_cache  # [layers, 2, blocks, block_size, kv_heads (rank 0's), head_dim]
-    return kv_cache.nbytes // (kv_cache.shape[2] * kv_cache.shape[3])
-
-
-def _gpu_step_seconds(engine, device: torch.device, repeats: int = 50) -> float:
-    """Device time of the last decode step's graph + LM head, replayed without the host in the loop (the
-    request is finished: its slot writes land in freed blocks). Falls back to eager off CUDA."""
-    from torpor.engine.cuda_graphs import run_decode
-
-    runner = engine.executor.driver.runner
-    with torch.inference_mode():
-        def step() -> None:
-            if runner.graphs is not None:
-                hidden = runner.graphs.replay(runner.buffers, 1)
-            else:
-                hidden = run_decode(runner.model, runner.buffers, 1, runner.config.max_model_len)
-            runner.model.compute_logits(hidden[:1]).argmax(-1)
-
-        step()
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            step()
-        _sync(device)
-    return (time.perf_counter() - start) / repeats
+def vocab(path: str) -> int:
+    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
 
 
 def throughput_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """`--num-requests` random prompts of `--prompt-lens` tokens and output lengths of `--output-lens`."""
     rng = random.Random(args.seed)
     min_prompt, max_prompt = (int(x) for x in args.prompt_lens.split(","))
     min_output, max_output = (int(x) for x in args.output_lens.split(","))
-    prompts = [_random_tokens(rng, rng.randint(min_prompt, max_prompt), vocab_size) for _ in range(args.num_requests)]
+    prompts = [random_tokens(rng, rng.randint(min_prompt, max_prompt), vocab_size) for _ in range(args.num_requests)]
     return prompts, [rng.randint(min_output, max_output) for _ in range(args.num_requests)]
 
 
-def bench_throughput(path: Path, device: torch.device, args: argparse.Namespace) -> dict:
-    from torpor.engine import LLM, SamplingParams
-    from torpor.engine.models import ModelConfig
+def bench_throughput(path: str, device: str, args: argparse.Namespace) -> dict:
+    from torpor import SamplingParams
 
-    prompts, output_lens = throughput_workload(args, ModelConfig.from_pretrained(path).vocab_size)
-    max_model_len = max(map(len, prompts)) + max(output_lens)
-    llm = LLM(str(path), device=str(device), max_model_len=max_model_len,
-              max_num_seqs=min(args.max_num_seqs, args.num_requests),
-              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
+    prompts, output_lens = throughput_workload(args, vocab(path))
+    llm = engine(path, device, args, max_model_len=max(map(len, prompts)) + max(output_lens),
+                 max_num_seqs=min(args.max_num_seqs, args.num_requests),
+                 gpu_memory_utilization=args.gpu_memory_utilization)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:8], params[:8])  # warm-up
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
-    _sync(device)
+    sync(device)
     engine_s = time.perf_counter() - start
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert num_tokens == sum(output_lens), "every request must produce exactly its max_tokens"
-    row = dict(output_tokens=num_tokens, engine_s=engine_s, engine_tokens_per_s=num_tokens / engine_s,
-               num_kv_blocks=llm.config.num_kv_blocks)
+    if num_tokens != sum(output_lens):
+        raise RuntimeError(f"the engine produced {num_tokens} tokens, not the {sum(output_lens)} asked for")
+    row = {"output_tokens": num_tokens, "engine_s": engine_s, "engine_tokens_per_s": num_tokens / engine_s}
     llm.close()
     del llm, outputs
-    _release(device)
+    release(device)
     if not args.no_hf:
+        progress("the same requests through transformers")
         hf_s = hf_generate_seconds(path, prompts, output_lens, args.hf_batch_size, device)
         if hf_s is not None:
             row.update(hf_s=hf_s, hf_tokens_per_s=num_tokens / hf_s, ratio=hf_s / engine_s)
     return row
 
 
-def hf_generate_seconds(path: Path, prompts: list[list[int]], output_lens: list[int], batch_size: int,
-                        device: torch.device) -> float | None:
+def hf_generate_seconds(path: str, prompts: list[list[int]], output_lens: list[int], batch_size: int,
+                        device: str) -> float | None:
     """Wall time of transformers' greedy `generate` over the workload (None if it is not installed)."""
-    try:
+    try:  # an optional dependency (the test extra)
         from transformers import AutoModelForCausalLM
     except ImportError:
         print("transformers is not installed: no baseline")
@@ -261,37 +240,49 @@ def hf_generate_seconds(path: Path, prompts: list[list[int]], output_lens: list[
                            pad_token_id=pad)
 
     generate(model, prompts[:2], 4)  # warm-up
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
         generate(model, prompts[first : first + batch_size], max(output_lens[first : first + batch_size]))
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     del model
-    _release(device)
+    release(device)
     return seconds
 
 
-def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(n)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _cache_root() -> str:
-    from torpor.env import Env
-
-    return Env.read().cache_dir
+def report(run_: Run, r: dict, args: argparse.Namespace) -> None:
+    out = console()
+    tp = args.tensor_parallel_size
+    models = (*(row["model"] for row in r["batch1"]), r.get("throughput", {}).get("model", ""))
+    note = run_.goal_note(("qwen3-8b", "qwen3-0.6b"), ran=models)
+    out.print(f"{run_.gpu}: device-to-device copy {fmt_rate(r['copy_gbps'] * GB)} (read + write), the roofline "
+              "below" + (f"; {note}" if note else ""))
+    rows = []
+    for row in r["batch1"]:
+        after = row.get("after_sleep_tokens_per_s")
+        rows.append([row["model"], f"{row['tokens_per_s']:.1f}", fmt_s(row["step_s"]), fmt_s(row["device_step_s"]),
+                     fmt_bytes(row["bytes_per_step"]), fmt_rate(row["gbps"] * GB),
+                     fmt_pct(row["roofline_fraction"], 1), fmt_pct(row["device_roofline_fraction"], 1),
+                     f"{after:.1f} ({after / row['tokens_per_s'] - 1:+.1%})" if after else "",
+                     run_.goal(">= 70% of the roofline", model=row["model"])])
+    out.print(table(f"batch-1 greedy decode (TP={tp}, {args.prompt_len}-token prompt, {args.decode_tokens} steps)",
+                    ["model", "tokens/s", "per step", "device per step", "bytes per step", "read rate",
+                     "of roofline", "device's", "tokens/s after a sleep", "goal"], rows,
+                    caption="per step: wall time of generate, prefill excluded; device: its busy time per step "
+                            "(torch's profiler, rank 0); bytes: the weights a step reads and the KV cache so far"
+                            + ("" if tp == 1 else ", per rank")))
+    if "throughput" in r:
+        t = r["throughput"]
+        rows = [["torpor", fmt_s(t["engine_s"]), f"{t['engine_tokens_per_s']:.0f}", ""]]
+        if "hf_s" in t:
+            rows.append([f"transformers (batches of {args.hf_batch_size})", fmt_s(t["hf_s"]),
+                         f"{t['hf_tokens_per_s']:.0f}", ""])
+            rows.append(["torpor against transformers", "", f"{t['ratio']:.1f}x",
+                         run_.goal(">= 10x", ("qwen3-0.6b",), model=t["model"])])
+        out.print(table(f"{t['model']} throughput: {args.num_requests} requests, {t['output_tokens']} output tokens "
+                        f"(TP={tp})", ["engine", "seconds", "output tokens/s", "goal"], rows))

@@ -1,34 +1,49 @@
-"""`torpor bench generate`: a GRPO-shaped rollout (many prompts, n sampled completions each, seeded) with
-and without prefix caching, against Hugging Face transformers' `generate(num_return_sequences=n)`.
+"""`torpor bench generate`: a GRPO-shaped rollout (many prompts, n sampled completions each, seeded) with and
+without prefix caching, against Hugging Face transformers' `generate(num_return_sequences=n)` in the same run.
 
-Default workload: 64 prompts of 512 random tokens, n = 8, 256 output tokens each (ignore_eos), seeded
-sampling at temperature 1. Output tokens/s of the engine with prefix caching (the prompt prefilled once
-per request, its blocks shared by the n samples) and without it (every sample prefills its prompt, as
-vLLM does with caching off), the prefix-cache hit rate, and transformers on the same checkpoint, dtype
-and device (--hf-prompts prompts, --hf-batch-size prompts per `generate` call; its tokens/s does not
-depend on how many batches run, so a subset keeps the run short).
+Default workload: 64 prompts of 512 random tokens, n = 8, 256 output tokens each (ignore_eos), seeded sampling
+at temperature 1. Output tokens/s of the engine with prefix caching (the prompt prefilled once per request, its
+blocks shared by the n samples) and without it (every sample prefills its prompt, as vLLM does with caching
+off), and transformers on the same checkpoint, dtype and device (`--hf-prompts` prompts, `--hf-batch-size`
+prompts per `generate` call; its tokens/s does not depend on how many batches run, so a subset keeps the run
+short). Per engine run also the wall time per decode step against the device's busy time per step: each is
+(a run of the workload - the same run stopped after its first token) / the decode steps between (the device's
+from torch's profiler over 16 steps); the difference is what the device waits for the host.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import random
 import time
-from pathlib import Path
 
-import torch
+from torpor.cli.bench_common import (
+    Run,
+    add_json_option,
+    check_json_path,
+    console,
+    fmt_s,
+    profiled,
+    progress,
+    release,
+    resolve_device,
+    resolve_model,
+    sync,
+    table,
+    top_kernels,
+    vocab_size,
+    write_json,
+)
 
-from torpor.cli.bench_decode import _cache_root, _device_name, _release, _sync, checkpoint
-
-PRESETS = ("qwen3-0.6b", "qwen3-8b", "tiny")
+PROFILED_STEPS = 16  # decode steps whose device time is measured
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="n samples per prompt (GRPO-shaped): prefix caching on/off vs transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder "
-                                                 "(default: qwen3-0.6b on GPU, tiny on CPU)")
+    p.add_argument("--model", default=None, help="a preset or a checkpoint folder (default: qwen3-0.6b on a GPU, "
+                                                 "tiny on CPU)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--cache-dir", default=None, help="where presets are generated (default: $TORPOR_CACHE/models)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -42,191 +57,91 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch-size", type=int, default=8, help="prompts per transformers generate call")
     p.add_argument("--profile", type=int, default=0, metavar="PROMPTS",
                    help="also profile the engine (caching on) on this many of the prompts, <= 32 output tokens: the "
-                        "top kernels by device time and how busy the device was")
-    p.add_argument("--json", default=None, help="also write the results here")
+                        "top kernels (on CPU: operators) by their own time")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from torpor.engine.llm import _resolve_device
-    from torpor.engine.models import ModelConfig
-
-    device = torch.device(_resolve_device(args.device))
-    model = args.model or ("qwen3-0.6b" if device.type == "cuda" else "tiny")
-    if model in PRESETS:
-        path = checkpoint(model, Path(args.cache_dir or Path(_cache_root()) / "models"))
-    else:
-        path = Path(model)
+    device = resolve_device(args.device)
+    check_json_path(args.json)
+    path, label = resolve_model(args.model, device, gpu_default="qwen3-0.6b", cache_dir=args.cache_dir)
+    run_ = Run(device, label)
     rng = random.Random(args.seed)
-    vocab_size = ModelConfig.from_pretrained(path).vocab_size
-    prompts = [[rng.randrange(vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
-    print(f"bench generate: {path.name} on {_device_name(device)}: {args.num_prompts} prompts x {args.prompt_len} "
-          f"tokens, n={args.n}, {args.output_len} output tokens, seeded sampling")
-    result = {"model": str(path), "device": _device_name(device), **{k: getattr(args, k) for k in (
-        "num_prompts", "prompt_len", "n", "output_len", "seed")}}
+    vocab = vocab_size(path)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    result = {"run": run_.describe(), **{k: getattr(args, k) for k in (
+        "num_prompts", "prompt_len", "n", "output_len", "seed", "max_num_seqs")}}
     for caching in (True, False):
-        row = bench_engine(path, device, prompts, args, caching)
-        result["cached" if caching else "uncached"] = row
-        print(f"  engine, prefix caching {'on ' if caching else 'off'}: {row['tokens_per_s']:.0f} output tok/s "
-              f"({row['output_tokens']} tokens in {row['seconds']:.2f} s), prefix-cache hit rate "
-              f"{row['hit_rate']:.1%}, prompt tokens computed {row['computed_prompt_tokens']}")
-        print(f"    {DecodeStepTimer.describe(row['decode_steps'])}")
+        progress(f"the engine, prefix caching {'on' if caching else 'off'}")
+        result["cached" if caching else "uncached"] = bench_engine(path, device, prompts, args, caching)
+        release(device)
     result["caching_speedup"] = result["cached"]["tokens_per_s"] / result["uncached"]["tokens_per_s"]
-    print(f"  prefix caching: {result['caching_speedup']:.2f}x (goal >= 1.5x)")
     if args.hf_prompts:
+        progress(f"transformers, {args.hf_prompts} prompts")
         hf = bench_transformers(path, device, prompts[: args.hf_prompts], args)
+        release(device)
         if hf is not None:
             result["transformers"] = hf
             result["vs_transformers"] = result["cached"]["tokens_per_s"] / hf["tokens_per_s"]
-            print(f"  transformers generate(num_return_sequences={args.n}), {args.hf_prompts} prompts in batches "
-                  f"of {args.hf_batch_size}: {hf['tokens_per_s']:.0f} output tok/s ({hf['seconds']:.1f} s); "
-                  f"engine with caching {result['vs_transformers']:.1f}x (goal >= 20x)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(run_, result, args)
+    write_json(args.json, result)
     return 0
 
 
-def bench_engine(path: Path, device: torch.device, prompts: list[list[int]], args: argparse.Namespace,
-                 caching: bool) -> dict:
-    from torpor.engine import LLM, SamplingParams
+def bench_engine(path: str, device: str, prompts: list[list[int]], args: argparse.Namespace, caching: bool) -> dict:
+    from torpor import LLM, SamplingParams  # (imported when the bench runs, not at `torpor`'s start)
 
-    llm = LLM(str(path), device=str(device), max_model_len=args.prompt_len + args.output_len + 1,
+    llm = LLM(path, device=device, max_model_len=args.prompt_len + args.output_len + 1,
               max_num_seqs=args.max_num_seqs, max_n=args.n, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=caching)
-    params = [SamplingParams(temperature=1.0, seed=args.seed * 1_000_003 + i, n=args.n, max_tokens=args.output_len,
-                             ignore_eos=True) for i in range(len(prompts))]
+
+    def workload(max_tokens: int, count: int = len(prompts)) -> list:
+        params = [SamplingParams(temperature=1.0, seed=args.seed * 1_000_003 + i, n=args.n, max_tokens=max_tokens,
+                                 ignore_eos=True) for i in range(count)]
+        llm.reset_prefix_cache()  # every run from an empty cache: the prompts are prefilled each time
+        sync(device)
+        return llm.generate(prompts[:count], params)
+
     warm = [[(t + 1) % 1000 for t in prompts[0]]]  # a prompt the workload does not share blocks with
     llm.generate(warm, SamplingParams(temperature=1.0, seed=1, n=args.n, max_tokens=min(8, args.output_len),
                                       ignore_eos=True))
-    llm.reset_prefix_cache()
-    before = llm.engine.prefix_cache_stats()
-    _sync(device)
-    start = time.perf_counter()
-    with DecodeStepTimer(llm, device) as timer:
-        outputs = llm.generate(prompts, params)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    stats = llm.engine.prefix_cache_stats()
-    queries, hits = stats["queries"] - before["queries"], stats["hits"] - before["hits"]
+    seconds, outputs = timed(lambda: workload(args.output_len), device)
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    assert num_tokens == len(prompts) * args.n * args.output_len, "every sample must produce output_len tokens"
-    profile = None
+    if num_tokens != len(prompts) * args.n * args.output_len:
+        raise RuntimeError(f"the engine produced {num_tokens} tokens, not {len(prompts) * args.n * args.output_len}")
+    row = {"output_tokens": num_tokens, "seconds": seconds, "tokens_per_s": num_tokens / seconds,
+           "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs)}
+    # One decode step per output token of every sample when they all fit in one batch, more when not.
+    rounds = math.ceil(len(prompts) * args.n / args.max_num_seqs)
+    if args.output_len > 1:
+        first_s = min(timed(lambda: workload(1), device)[0] for _ in range(2))
+        steps, device_s = min(PROFILED_STEPS, args.output_len - 1), None
+        if device.startswith("cuda"):
+            busy = [profiled(lambda n=n: workload(n), device)[1] for n in (1, 1 + steps)]
+            device_s = (busy[1] - busy[0]) / (steps * rounds)
+        row["decode_steps"] = {"steps": (args.output_len - 1) * rounds,
+                               "wall_s": (seconds - first_s) / ((args.output_len - 1) * rounds),
+                               "device_s": device_s, "first_token_s": first_s}
     if caching and args.profile:
-        llm.reset_prefix_cache()
-        profile = profile_generate(llm, prompts[: args.profile], params[: args.profile], device)
-    total_prompt = len(prompts) * args.n * args.prompt_len
-    row = dict(output_tokens=num_tokens, seconds=seconds, tokens_per_s=num_tokens / seconds,
-               hit_rate=hits / queries if queries else 0.0, computed_prompt_tokens=total_prompt - hits,
-               num_kv_blocks=llm.config.num_kv_blocks, decode_steps=timer.result(),
-               **({"profile": profile} if profile else {}))
+        _, _, prof = profiled(lambda: workload(min(32, args.output_len), args.profile), device)
+        row["profile_top"] = top_kernels(prof, device.startswith("cuda"))
     llm.close()
-    del llm, outputs
-    _release(device)
-    return row
+    return row  # the caller releases the device's cached memory once `llm` is gone
 
 
-class DecodeStepTimer:
-    """Wall time per decode step against the device's time per step, without the profiler: while in use, each
-    decode step records two CUDA events, one after its inputs are loaded (the GPU is idle then: the previous step
-    ended by syncing on its tokens) and one once its tokens are on the host. Their interval is the device's
-    work (plus the sampler's launches, which run ahead of it); the wall time from one step's start to the next's,
-    less that, is what the GPU waits for the host. One synchronization, in `result`. On CPU: wall time only."""
-
-    def __init__(self, llm, device: torch.device) -> None:
-        self.engine, self.on_cuda = llm.engine, device.type == "cuda"
-        runner = self.engine.executor.driver.runner
-        self.runner, self.local = runner, getattr(runner, "local", runner)  # tensor parallel: rank 0's runner
-        self.starts: list[float] = []        # perf_counter at the start of every step
-        self.decode: list[int] = []          # indices of the decode steps among them
-        self.events: list[tuple] = []        # (start, end) CUDA events of each decode step
-
-    def __enter__(self) -> DecodeStepTimer:
-        step, run, load = self.engine.step, self.runner.run, self.local.buffers.load
-
-        def timed_step():
-            self.starts.append(time.perf_counter())
-            return step()
-
-        def timed_load(seqs, batch_size):
-            result = load(seqs, batch_size)
-            self.decode.append(len(self.starts) - 1)  # only decode steps load the decode buffers
-            if self.on_cuda:
-                self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-                self.events[-1][0].record()  # on the engine's stream (the runner's scope is current)
-            return result
-
-        def timed_run(seqs, is_prefill):
-            result = run(seqs, is_prefill)
-            if self.on_cuda and not is_prefill:
-                self.events[-1][1].record(self.local.engine_stream.stream)
-            return result
-
-        self.engine.step, self.runner.run, self.local.buffers.load = timed_step, timed_run, timed_load
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for obj, name in ((self.engine, "step"), (self.runner, "run"), (self.local.buffers, "load")):
-            delattr(obj, name)  # the instance attribute goes: the method is back
-
-    def result(self) -> dict:
-        """Milliseconds per decode step: `wall_ms` (start to the next step's start), `device_ms` (None on CPU)."""
-        periods = [self.starts[i + 1] - self.starts[i] for i in self.decode if i + 1 < len(self.starts)]
-        device_ms = None
-        if self.on_cuda and self.events:
-            torch.cuda.synchronize()
-            device_ms = sum(start.elapsed_time(end) for start, end in self.events) / len(self.events)
-        return dict(steps=len(self.decode), wall_ms=sum(periods) / len(periods) * 1e3 if periods else None,
-                    device_ms=device_ms)
-
-    @staticmethod
-    def describe(steps: dict) -> str:
-        wall, device = steps["wall_ms"], steps["device_ms"]
-        if wall is None:
-            return "decode steps: none timed"
-        if device is None:
-            return f"decode steps: {wall:.2f} ms wall per step ({steps['steps']} steps; device time needs CUDA)"
-        return (f"decode steps: {wall:.2f} ms wall per step, {device:.2f} ms on the device (CUDA events, "
-                f"{steps['steps']} steps): the device waits {wall - device:.2f} ms per step for the host "
-                f"({(wall - device) / wall:.0%})")
-
-
-def profile_generate(llm, prompts: list[list[int]], params: list, device: torch.device, top: int = 20) -> dict:
-    """`generate` of `prompts` (at most 32 output tokens each) under torch.profiler: the `top` kernels (or, on
-    CPU, operators) by device time, and the device's busy time against the wall time (the rest is the host)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from torpor.engine import SamplingParams
-
-    short = [SamplingParams(temperature=p.temperature, seed=p.seed, n=p.n, max_tokens=min(32, p.max_tokens),
-                            ignore_eos=True) for p in params]
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _sync(device)
+def timed(fn, device: str) -> tuple[float, object]:
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        llm.generate(prompts, short)
-        _sync(device)
-    wall = time.perf_counter() - start
-    on_device = device.type == "cuda"
-
-    def self_us(event) -> float:
-        if not on_device:
-            return event.self_cpu_time_total
-        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-
-    events = [e for e in prof.key_averages() if self_us(e) > 0]
-    busy = sum(self_us(e) for e in events) / 1e6
-    rows = sorted(events, key=self_us, reverse=True)[:top]
-    kernels = [dict(name=e.key[:90], ms=self_us(e) / 1e3, calls=e.count) for e in rows]
-    print(f"  profile ({len(prompts)} prompts, {short[0].max_tokens} output tokens, caching on): wall {wall:.3f} s, "
-          f"{'device busy' if on_device else 'operators'} {busy:.3f} s ({busy / wall:.0%}); top by self time:")
-    for k in kernels:
-        print(f"    {k['ms']:9.2f} ms  {k['calls']:6d} x  {k['name']}")
-    return dict(wall_s=wall, busy_s=busy, top=kernels)
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
 
 
-def bench_transformers(path: Path, device: torch.device, prompts: list[list[int]], args: argparse.Namespace):
+def bench_transformers(path: str, device: str, prompts: list[list[int]], args: argparse.Namespace) -> dict | None:
     """Seeded sampling through `generate(do_sample=True, num_return_sequences=n)` (None without transformers)."""
-    try:
+    import torch
+
+    try:  # an optional dependency (the test extra)
         from transformers import AutoModelForCausalLM
     except ImportError:
         print("transformers is not installed: no baseline")
@@ -235,7 +150,7 @@ def bench_transformers(path: Path, device: torch.device, prompts: list[list[int]
     model = model.to(device=device, dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: every row runs to max_new_tokens
 
-    def generate(batch: list[list[int]], max_new_tokens: int) -> int:
+    def generate(model, batch: list[list[int]], max_new_tokens: int) -> int:
         ids = torch.tensor(batch, device=device)  # equal lengths: no padding
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -244,13 +159,39 @@ def bench_transformers(path: Path, device: torch.device, prompts: list[list[int]
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
     torch.manual_seed(args.seed)
-    generate(prompts[:1], 4)  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    num_tokens = sum(generate(prompts[i : i + args.hf_batch_size], args.output_len)
-                     for i in range(0, len(prompts), args.hf_batch_size))
-    _sync(device)
-    seconds = time.perf_counter() - start
-    model.to("meta")  # the weights go now (the closure keeps the module alive until return)
-    _release(device)
-    return dict(output_tokens=num_tokens, seconds=seconds, tokens_per_s=num_tokens / seconds)
+    generate(model, prompts[:1], 4)  # warm-up
+    seconds, num_tokens = timed(lambda: sum(generate(model, prompts[i : i + args.hf_batch_size], args.output_len)
+                                            for i in range(0, len(prompts), args.hf_batch_size)), device)
+    model.to("meta")  # the weights go now (the closures keep the module alive until return)
+    return {"output_tokens": num_tokens, "seconds": seconds, "tokens_per_s": num_tokens / seconds}
+
+
+def report(run_: Run, r: dict, args: argparse.Namespace) -> None:
+    out = console()
+    models = ("qwen3-0.6b", "qwen3-8b")
+    out.print(run_.header(models))
+    out.print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, n = {args.n}, {args.output_len} output tokens "
+              "each, seeded sampling")
+    rows = []
+    for key, label in (("cached", "torpor, prefix caching on"), ("uncached", "torpor, prefix caching off")):
+        e = r[key]
+        steps = e.get("decode_steps", {})
+        wall, busy = steps.get("wall_s"), steps.get("device_s")
+        waits = f"{fmt_s(wall - busy)} ({(wall - busy) / wall:.0%})" if wall and busy else ""
+        rows.append([label, f"{e['tokens_per_s']:.0f}", fmt_s(e["seconds"]), fmt_s(wall), fmt_s(busy), waits])
+    if "transformers" in r:
+        hf = r["transformers"]
+        rows.append([f"transformers, {args.hf_prompts} prompts in batches of {args.hf_batch_size}",
+                     f"{hf['tokens_per_s']:.0f}", fmt_s(hf["seconds"]), "", "", ""])
+    out.print(table("output tokens/s", ["run", "tokens/s", "seconds", "wall per decode step",
+                                        "device per decode step", "the device waits for the host"], rows,
+                    caption="device time: CUDA only (torch's profiler)"))
+    ratios = [["prefix caching on against off", f"{r['caching_speedup']:.2f}x", run_.goal(">= 1.5x", models)]]
+    if "vs_transformers" in r:
+        ratios.append(["caching on against transformers", f"{r['vs_transformers']:.1f}x",
+                       run_.goal(">= 20x", models)])
+    out.print(table("ratios", ["", "ratio", "goal"], ratios))
+    if r["cached"].get("profile_top"):
+        out.print(table(f"the top kernels, caching on ({args.profile} prompts, <= 32 output tokens, profiled)",
+                        ["kernel" if run_.on_cuda else "operator", "own time", "calls"],
+                        [[k["name"], fmt_s(k["s"]), str(k["calls"])] for k in r["cached"]["profile_top"]]))

@@ -15,10 +15,22 @@ import time
 
 import torch
 
+from torpor.cli.bench_common import (
+    GiB,
+    add_json_option,
+    check_json_path,
+    console,
+    fmt_bytes,
+    fmt_pct,
+    fmt_rate,
+    fmt_s,
+    pinned_bandwidth,
+    progress,
+    sync,
+    table,
+    write_json,
+)
 from torpor.memory import device_used_bytes
-
-GiB = 2**30
-MiB = 2**20
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,32 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-small", type=int, default=512, help="tensors in the many-small workload")
     p.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles per workload")
     p.add_argument("--no-compare", action="store_true", help="skip torch_memory_saver even if installed")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_json_option(p)
     p.add_argument("--tms-worker", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def pinned_bandwidth(device: torch.device, nbytes: int = 4 * GiB, repeats: int = 3) -> dict[str, float]:
-    """Plain torch copies between one device buffer and one pinned host buffer, GB/s."""
-    d = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    result = {}
-    for name, (dst, src) in {"d2h": (h, d), "h2d": (d, h)}.items():
-        dst.copy_(src, non_blocking=True)
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dst.copy_(src, non_blocking=True)
-        sync(device)
-        result[name] = repeats * nbytes / (time.perf_counter() - start) / 1e9
-    del d, h
-    torch.cuda.empty_cache()
-    return result
 
 
 def make_tensors(device: torch.device, total: int, count: int) -> list[torch.Tensor]:
@@ -84,11 +73,10 @@ def measure_cycles(engine: str, device: torch.device, tensors: list[torch.Tensor
         sleep_s, offload_gbps = sleep()
         asleep = device_used_bytes(device)
         wake_s, restore_gbps = wake()
-        rows.append(dict(engine=engine, workload=f"{len(tensors)} x {total // len(tensors) // MiB} MiB",
+        rows.append(dict(engine=engine, workload=f"{len(tensors)} x {fmt_bytes(total // len(tensors))}",
                          cycle=cycle + 1, offload_gbps=offload_gbps, restore_gbps=restore_gbps, sleep_s=sleep_s,
-                         wake_s=wake_s, awake_mib=awake / MiB, asleep_mib=asleep / MiB,
-                         after_mib=device_used_bytes(device) / MiB, asleep_over_bare_mib=(asleep - bare) / MiB,
-                         identical=checksum(tensors) == reference))
+                         wake_s=wake_s, awake_bytes=awake, asleep_bytes=asleep, after_bytes=device_used_bytes(device),
+                         asleep_over_bare_bytes=asleep - bare, identical=checksum(tensors) == reference))
     return rows
 
 
@@ -180,32 +168,30 @@ def run(args: argparse.Namespace) -> int:
     if args.tms_worker:
         print(json.dumps(tms_worker(device, args)))
         return 0
+    check_json_path(args.json)
     if device.type == "cuda":
         torch.zeros(1, device=device)
         sync(device)
     bare = device_used_bytes(device)
-    link = pinned_bandwidth(device) if device.type == "cuda" else {}
+    link = pinned_bandwidth(str(device)) if device.type == "cuda" else {}
     rows = []
     for total, count in workloads(args):
-        print(f"torpor: {count} tensor(s), {total / GiB:.2f} GiB, {args.cycles} cycles ...", flush=True)
+        progress(f"torpor: {count} tensor(s), {fmt_bytes(total)}, {args.cycles} cycles")
         rows += bench_torpor(device, total, count, args.cycles, bare)
     if device.type == "cuda" and not args.no_compare:
-        print("torch_memory_saver: same workloads in a child process ...", flush=True)
+        progress("torch_memory_saver: the same workloads in a child process")
         rows += compare_tms(args)
     report(device, bare, link, rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(device), env=environment(device), bare_mib=bare / MiB, link_gbps=link,
-                           rows=rows), f, indent=1)
+    write_json(args.json, dict(env=environment(device), bare_context_bytes=bare, link_gbps=link, rows=rows))
     return 0 if all(r["identical"] for r in rows) else 1
 
 
 def environment(device: torch.device) -> dict:
-    env = {"torch": torch.__version__}
+    env = {"device": str(device), "torch": torch.__version__}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
-        try:
+        try:  # an optional dependency (the cu12 / cu13 extras)
             import cuda.bindings
 
             env["cuda_bindings"] = cuda.bindings.__version__
@@ -215,26 +201,21 @@ def environment(device: torch.device) -> dict:
 
 
 def report(device: torch.device, bare: int, link: dict, rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=200) if not sys.stdout.isatty() else Console()
-    console.print(f"device {device} {environment(device)}; bare context {bare / MiB:.0f} MiB in use")
-    if link:
-        console.print(f"pinned copy bandwidth: d2h {link['d2h']:.1f} GB/s, h2d {link['h2d']:.1f} GB/s")
-    table = Table(title="sleep (offload) and wake (restore)")
-    for col in ("engine", "workload", "cycle", "offload GB/s", "% link", "restore GB/s", "% link",
-                "awake MiB", "asleep MiB", "asleep-bare", "identical"):
-        table.add_column(col, justify="right")
-    def pct(value: float, key: str) -> str:
-        return f"{100 * value / link[key]:.0f}%" if link else "-"
-
-    for r in rows:
-        table.add_row(r["engine"], r["workload"], str(r["cycle"]), f"{r['offload_gbps']:.1f}",
-                      pct(r["offload_gbps"], "d2h"), f"{r['restore_gbps']:.1f}", pct(r["restore_gbps"], "h2d"),
-                      f"{r['awake_mib']:.0f}", f"{r['asleep_mib']:.0f}", f"{r['asleep_over_bare_mib']:+.0f}",
-                      "yes" if r["identical"] else "NO")
-    console.print(table)
+    out = console()
+    env = environment(device)
+    out.print(", ".join(f"{k} {v}" for k, v in env.items()) + f"; bare context {fmt_bytes(bare)} in use"
+              + ("; CPU smoke run" if device.type == "cpu" else ""))
+    table_rows = [[r["engine"], r["workload"], str(r["cycle"]), fmt_s(r["sleep_s"]), fmt_rate(r["offload_gbps"] * 1e9),
+                   fmt_pct(r["offload_gbps"], link.get("d2h")), fmt_s(r["wake_s"]),
+                   fmt_rate(r["restore_gbps"] * 1e9), fmt_pct(r["restore_gbps"], link.get("h2d")),
+                   fmt_bytes(r["awake_bytes"]), fmt_bytes(r["asleep_bytes"]),
+                   fmt_bytes(r["asleep_over_bare_bytes"], signed=True), "yes" if r["identical"] else "NO"]
+                  for r in rows]
+    link_text = f"pinned copies measured in this run: d2h {fmt_rate(link['d2h'] * 1e9)}, h2d " \
+                f"{fmt_rate(link['h2d'] * 1e9)}" if link else None
+    out.print(table("sleep (offload) and wake (restore)",
+                    ["engine", "workload", "cycle", "sleep", "offload", "of link", "wake", "restore", "of link",
+                     "awake", "asleep", "asleep - bare", "identical"], table_rows, caption=link_text))
     for workload in dict.fromkeys(r["workload"] for r in rows):
         ours = [r for r in rows if r["engine"] == "torpor" and r["workload"] == workload and r["cycle"] > 1]
         theirs = [r for r in rows if r["engine"] != "torpor" and r["workload"] == workload and r["cycle"] > 1]
@@ -242,6 +223,6 @@ def report(device: torch.device, bare: int, link: dict, rows: list[dict]) -> Non
             def mean(rs: list[dict], key: str) -> float:
                 return sum(r[key] for r in rs) / len(rs)
 
-            console.print(f"{workload}: vs torch_memory_saver (mean of cycles >= 2): pause "
-                          f"{mean(ours, 'offload_gbps') / mean(theirs, 'offload_gbps'):.1f}x faster, resume "
-                          f"{mean(ours, 'restore_gbps') / mean(theirs, 'restore_gbps'):.1f}x faster")
+            out.print(f"{workload}: against torch_memory_saver (mean of cycles >= 2): pause "
+                      f"{mean(ours, 'offload_gbps') / mean(theirs, 'offload_gbps'):.1f}x faster, resume "
+                      f"{mean(ours, 'restore_gbps') / mean(theirs, 'restore_gbps'):.1f}x faster")

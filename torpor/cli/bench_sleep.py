@@ -1,84 +1,119 @@
-"""`torpor bench sleep`: the engine's sleep mode measured in one run.
+"""`torpor bench sleep`: the engine's sleep mode measured in one run (default model: the synthetic qwen3-8b on
+a GPU, the tiny model on CPU; CUDA graphs on a GPU).
 
-For one model (default: the synthetic qwen3-8b geometry on GPU, the tiny model on CPU) with CUDA
-graphs: device memory awake and asleep, per tag, against the bare CUDA context; the same with the
-runtime state left untagged (an engine that does not tag it) to show the saving; sleep and wake
-seconds at levels 1 and 2 against bytes / measured pinned bandwidth; a full wake against a cold
-start of the same engine (load + profiling + graph capture); then the bit-exact harness
-(`--requests`, default 64) and a soak of `--soak-cycles` cycles.
+Default run: device memory awake and asleep against the bare CUDA context; sleep and wake seconds and GB/s
+against the pinned host link measured in the same run, for the first level-1 sleep after start-up, a re-sleep
+with the weights unchanged (their host copy kept), a level-1 sleep after a weight write and a level-2 sleep
+(+ `reload_weights`); the reload (page cache warm and cold) and a level-2 wake + reload; a cold start in a new
+process, by phase; then the bit-exact harness (`--requests`) and a soak of `--soak-cycles` cycles.
 
-`--level3` measures levels 3 and 4 instead (CUDA only): start-up with and without the host copies reserved in the
-background (after one warm-up start, alternated twice, medians), the first level-1 sleep once they are, a
-re-sleep that keeps the weights' clean host copy, a sleep after a weight write, levels 3 and 4 (the CUDA context
-released: the process's device memory by NVML, sleep and wake seconds), the bit-exact harness over the level-3
-paths, and a soak of `--soak-cycles` cycles alternating level 3 with levels 1 and 2.
-
-Weights (`--loader-only` runs just these): the same reload through the plain loader (safe_open, one
-tensor at a time) and the staged loader (parallel reads into pinned staging buffers, async copies) side
-by side, with the page cache warm (every shard read once just before) and cold (posix_fadvise
-DONTNEED on every shard first; no effect on tmpfs); the staged reload with other numbers and sizes of
-staging buffers (`STAGING_SWEEP`, to choose the default from); a level-2 wake followed by a reload; and
-cold starts in a new process split into their phases (TORPOR_DEBUG's start-up lines): one profiling its
-KV-sizing step (TORPOR_KV_PROFILE_CACHE=0, the old path), one reading it back (engine/profile_cache.py).
+Modes: `--loader-only` the weight rows and cold starts by phase (profiling the KV-sizing step, reading it
+back, the page cache dropped), the answers checked unchanged; `--cold-start-only` the cold starts alone;
+`--soak-only` the harness and the soak; `--kv-curve` the level-1 sleep and wakes with the KV cache sized by
+`gpu_memory_utilization` 0.15, 0.5, 0.85 and 0.9; `--level3` levels 3 and 4 (below).
+The exit code is 0 when every compared round was bit-identical.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import re
-import statistics
-import sys
 import time
 
 import torch
 
-MiB = 2**20
+from torpor.cli.bench_common import (
+    BESIDE_PHASES,
+    MiB,
+    Run,
+    add_json_option,
+    check_json_path,
+    checkpoint_files,
+    cold_start,
+    console,
+    drop_page_cache,
+    fmt_bytes,
+    fmt_pct,
+    fmt_rate,
+    fmt_s,
+    median,
+    median_run,
+    pinned_bandwidth,
+    progress,
+    release,
+    resolve_device,
+    resolve_model,
+    sync,
+    table,
+    tensor_bytes,
+    vocab_size,
+    warm_page_cache,
+    write_json,
+)
+from torpor.memory import device_used_bytes
+
+KV_CURVE = (0.15, 0.5, 0.85, 0.9)  # gpu_memory_utilization of each engine of --kv-curve
+MODES = ("loader_only", "cold_start_only", "soak_only", "kv_curve", "level3")
+# The engine's defaults (256 sequences of up to 4096 tokens) leave the KV cache room to grow with the budget;
+# the other modes' 64 x 2048 cap it near 19 GiB for qwen3-8b.
+SIZES = {"kv_curve": (256, 4096)}
+DEFAULT_SIZES = (64, 2048)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sleep", help="sleep-mode memory, speed, bit-exactness and soak of the engine",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint folder or preset name (default: qwen3-8b on GPU, "
+    p.add_argument("--model", default=None, help="checkpoint folder or preset name (default: qwen3-8b on a GPU, "
                    "the tiny model on CPU); presets are generated into the cache on first use")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default 64 (--kv-curve: 256)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default 2048 (--kv-curve: 4096)")
     p.add_argument("--requests", type=int, default=64, help="requests in the bit-exact batch")
     p.add_argument("--soak-cycles", type=int, default=20)
-    p.add_argument("--skip-untagged", action="store_true", help="skip the untagged-runtime comparison")
-    p.add_argument("--soak-only", action="store_true", help="only the bit-exact harness and the soak (a long soak "
-                   "with --soak-cycles: every cycle exact, device and host-RSS slopes)")
-    p.add_argument("--loader-only", action="store_true", help="only the weight-loading rows (reload old vs new "
-                   "path, level-2 wake + reload, cold start phases)")
-    p.add_argument("--cold-start-only", action="store_true", help="only the cold starts in new processes, by phase "
-                   "(one profiling the KV-sizing step, one reading it back, one without the bytecode cache)")
-    p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--level3", action="store_true", help="measure sleep levels 3/4, the first sleep with "
-                   "reserved host copies and the re-sleep without copying (CUDA only; see above)")
+    p.add_argument("--cold-starts", type=int, default=3, help="--loader-only, --cold-start-only: starts of the "
+                   "default whose median is shown")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--loader-only", action="store_true", help="only the weight rows: reload (page cache "
+                       "warm and cold), level-2 wake + reload, cold starts by phase")
+    modes.add_argument("--cold-start-only", action="store_true", help="only the cold starts in new processes")
+    modes.add_argument("--soak-only", action="store_true", help="only the bit-exact harness and the soak")
+    modes.add_argument("--kv-curve", action="store_true", help="only the level-1 sleep and wakes at "
+                       f"gpu_memory_utilization {', '.join(map(str, KV_CURVE))} (one engine each)")
+    modes.add_argument("--level3", action="store_true", help="levels 3 and 4, the first sleep with the host copies "
+                       "reserved, the re-sleep, start-up with and without the reservation (CUDA only)")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 
-def resolve_model(name: str | None, device: str) -> str:
-    from pathlib import Path
-
-    from torpor.env import Env
-    from torpor.synthetic import PRESETS, default_model_path
-
-    if name is None:
-        name = "qwen3-8b" if device.startswith("cuda") else None
-    if name is None:
-        return str(default_model_path())
-    if name not in PRESETS:
-        return name
-    from torpor.cli.bench_decode import checkpoint
-
-    return str(checkpoint(name, Path(Env.read().cache_dir) / "models"))
+def run(args: argparse.Namespace) -> int:
+    device = args.device = resolve_device(args.device)
+    if args.level3 and not device.startswith("cuda"):
+        raise ValueError("--level3 needs a CUDA device (level 3 releases the CUDA context)")
+    for name in ("requests", "soak_cycles", "cold_starts"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_json_path(args.json)
+    mode = next((m for m in MODES if getattr(args, m)), "default")
+    seqs, length = SIZES.get(mode, DEFAULT_SIZES)
+    args.max_num_seqs = args.max_num_seqs or seqs
+    args.max_model_len = args.max_model_len or length
+    model, label = resolve_model(args.model, device)
+    run_ = Run(device, label)
+    results: dict = {"run": run_.describe(), "mode": mode, "max_num_seqs": args.max_num_seqs,
+                     "max_model_len": args.max_model_len}
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)  # the bare context: what every asleep figure is compared with
+    results["bare_context_bytes"] = device_used_bytes(device)
+    results["link_gbps"] = pinned_bandwidth(device) if device.startswith("cuda") else {}
+    bench = {"default": run_default, "loader_only": run_loader, "cold_start_only": run_cold_starts,
+             "soak_only": run_soak, "kv_curve": run_kv_curve, "level3": run_level3}[mode]
+    exact = bench(model, args, run_, results)
+    write_json(args.json, results)
+    return 0 if exact else 1
 
 
 def build(model: str, args: argparse.Namespace, **options):
-    from torpor.engine import LLM
+    """An `LLM` of the bench's sizes, and the seconds its construction took in this process."""
+    from torpor import LLM  # (the benches import the engine when they run, not when `torpor` builds its parser)
 
     start = time.perf_counter()
     llm = LLM(model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -86,616 +121,424 @@ def build(model: str, args: argparse.Namespace, **options):
     return llm, time.perf_counter() - start
 
 
-PHASE_LINE = re.compile(r"start-up phase (\w+): ([0-9.]+) s")
-CAPTURE_LINE = re.compile(r"cuda graph batch size (\d+): warm-up ([0-9.]+) s, capture ([0-9.]+) s")
-BESIDE_LINE = re.compile(r"weight load beside the start-up: ([0-9.]+) s, waited for ([0-9.]+) s \((\d+) reader")
+def engine_options(args: argparse.Namespace) -> dict:
+    return {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
 
 
-def cold_start_phases(model: str, args: argparse.Namespace, options: str = "", kv_profile_cache: bool = True,
-                      bytecode_cache: bool = True, overlap_load: bool = True, cold_cache: bool = False,
-                      capture_warmups: str = "first", profile_top: int = 0) -> dict:
-    """Seconds from launching a new Python process to its first generated token with the same engine
-    options: what restarting costs instead of a wake (Triton's disk cache and the OS page cache are warm,
-    as for a restart), timed by phase: imports (measured inside), the engine's start-up phases
-    (TORPOR_DEBUG=1 lines), the rest of the engine's set-up, the first token. The process starts as the
-    `torpor` command does (lazy.use_bytecode_cache first) unless `bytecode_cache` is False. With `overlap_load`
-    (TORPOR_OVERLAP_LOAD=1, the engine's default) the weights load on a thread of their own beside the KV sizing and
-    the graph capture: the phases then hold the main thread's `weight_load_plan` and `weight_load_wait`, and
-    `weight_load_beside_s` the load's own seconds; without, `weight_load` comes first. `cold_cache`: the
-    checkpoint's pages dropped from the page cache just before the start (`drop_page_cache`; no effect on tmpfs).
-    `capture_warmups`: TORPOR_CAPTURE_WARMUPS ("first", the engine's default: only the largest graph size warmed up
-    before its capture; "every": each size, the old path).
-    `profile_top`: the engine's start-up also runs under cProfile, and `profile` holds the functions with the most
-    time of their own (the first N of pstats' table, by tottime)."""
-    import os
-    import subprocess
-
-    bytecode = "from torpor.lazy import use_bytecode_cache; print('BYTECODE', use_bytecode_cache(), flush=True); "
-    code = ("import time; t0 = time.perf_counter(); " + (bytecode if bytecode_cache else "")
-            + "import torch; from torpor.engine import LLM, SamplingParams; "
-            "print('IMPORTS', time.perf_counter() - t0, flush=True); "
-            + ("import cProfile; profiler = cProfile.Profile(); profiler.enable(); " if profile_top else "")
-            + f"llm = LLM({model!r}, device={args.device!r}, max_num_seqs={args.max_num_seqs}, "
-            f"max_model_len={args.max_model_len}{options}); t1 = time.perf_counter(); "
-            + ("profiler.disable(); import pstats; print('PROFILE_BEGIN'); "
-               f"pstats.Stats(profiler).sort_stats('tottime').print_stats({profile_top}); print('PROFILE_END'); "
-               if profile_top else "")
-            + "print('ENGINE', t1 - t0, flush=True); llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1)); "
-            "print('FIRST_TOKEN', time.perf_counter() - t1, flush=True); print('READY', time.time(), flush=True)")
-    if cold_cache:
-        from torpor.engine.weights.index import checkpoint_files
-
-        drop_page_cache(checkpoint_files(model))
-    start = time.time()  # the child reports when its first token came: its exit is not start-up
-    env = dict(os.environ, TORPOR_DEBUG="1", TORPOR_KV_PROFILE_CACHE="1" if kv_profile_cache else "0",
-               TORPOR_OVERLAP_LOAD="1" if overlap_load else "0", TORPOR_CAPTURE_WARMUPS=capture_warmups)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    if "READY" not in out.stdout:
-        raise RuntimeError(f"the cold-start process failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    total = float([line.split()[1] for line in out.stdout.splitlines() if line.startswith("READY ")][-1]) - start
-    values = dict(line.split() for line in out.stdout.splitlines()
-                  if line.startswith(("IMPORTS", "ENGINE", "FIRST_TOKEN")))
-    phases = {"imports": float(values["IMPORTS"])}
-    for name, seconds in PHASE_LINE.findall(out.stderr):
-        phases[name] = phases.get(name, 0.0) + float(seconds)
-    # The engine's start-up outside its timed phases: model name and config, generation defaults, the runner's
-    # stream and staging set-up, scheduler, the host-copy reservation's start.
-    phases["engine_other"] = float(values["ENGINE"]) - sum(phases.values())
-    phases["first_token"] = float(values["FIRST_TOKEN"])
-    # Where cuda_graph_capture goes: per batch size (largest first), the eager warm-up and the capture.
-    graphs = [dict(batch_size=int(size), warm_up_s=float(warm), capture_s=float(capture))
-              for size, warm, capture in CAPTURE_LINE.findall(out.stderr)]
-    cache = [line.split(maxsplit=1)[1] for line in out.stdout.splitlines() if line.startswith("BYTECODE ")]
-    beside = BESIDE_LINE.findall(out.stderr)
-    profile = out.stdout.split("PROFILE_BEGIN", 1)[-1].split("PROFILE_END", 1)[0] if profile_top else ""
-    return dict(total_s=total, phases=phases, kv_profile_read_back="from an earlier start-up" in out.stderr,
-                profile=[line.rstrip() for line in profile.splitlines() if line.strip()],
-                graph_capture=graphs, bytecode_cache=cache[0] if cache and cache[0] != "None" else None,
-                weight_load_beside_s=float(beside[-1][0]) if beside else None,
-                load_threads_beside=int(beside[-1][2]) if beside else None)
-
-
-def drop_page_cache(files) -> None:
-    """Ask the kernel to drop the files' cached pages (a cold read follows; no effect on tmpfs)."""
-    import os
-
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm_page_cache(files) -> None:
-    """Read every file once (what "page cache warm" means in these rows)."""
-    for file in files:
-        with open(file, "rb") as f:
-            while f.read(64 << 20):
-                pass
-
-
-def loader_figures(llm, model: str, device: str) -> dict:
-    """Reload seconds and GB/s, plain loader against the staged one, page cache warm and cold; then a
-    level-2 wake + reload. Both loaders write the same parameters; the answers are checked unchanged."""
-    from torpor.engine.weights.index import checkpoint_files, read_headers
-    from torpor.engine.weights.loader import load_weights_reference
-
-    runner = llm.engine.executor.driver.runner
-    local = getattr(runner, "local", runner)  # rank 0 under tensor parallelism
-    files = checkpoint_files(model)
-    nbytes = sum(e.nbytes for e in read_headers(model))
-
-    def timed(fn) -> float:
-        _sync(device)
-        start = time.perf_counter()
-        with local.engine_stream.scope():
-            fn()
-        _sync(device)
-        return time.perf_counter() - start
-
-    paths = {"old": lambda: load_weights_reference(local.model, model), "new": lambda: local.reload_weights(model)}
-    instanttensor = _instanttensor_path(local.model, files, device)
-    if instanttensor is not None:
-        paths["instanttensor"] = instanttensor
-    rows = {}
-    for cache in ("warm", "cold"):
-        for name, fn in paths.items():
-            if cache == "warm":
-                warm_page_cache(files)
-            else:
-                drop_page_cache(files)
-            seconds = min(timed(fn) for _ in range(2 if cache == "warm" else 1))
-            rows[f"{name}_{cache}"] = dict(seconds=seconds, gbps=nbytes / 1e9 / seconds)
-            print(f"reload {name} path, page cache {cache}: {seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s",
-                  flush=True)
-    sweep = staging_sweep(local.model, model, device, nbytes, timed)
-    wake = level2_wake_reload(llm, files, device)
-    print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
-          flush=True)
-    # The first level-2 sleep discards the weights' reserved host copy, whose pinned pages a background thread
-    # gives back (~0.1 s/GiB) while the wake runs; an RL loop sleeping at level 2 every step has no copy left.
-    again = level2_wake_reload(llm, files, device)
-    print(f"level-2 wake + reload, again (no host copy left to give back): {again['total_s']:.3f} s (wake "
-          f"{again['wake_s']:.3f}, reload {again['reload_s']:.3f})", flush=True)
-    return dict(checkpoint_gb=nbytes / 1e9, reload=rows, staging_sweep=sweep, level2_wake_reload=wake,
-                level2_wake_reload_again=again)
-
-
-def level2_wake_reload(llm, files, device: str) -> dict:
-    """One level-2 sleep, then the wake and `reload_weights()` timed (page cache warm)."""
-    warm_page_cache(files)
-    llm.sleep(2)
+def wait_for_reservation(llm, timeout: float = 600.0) -> dict:
+    """Until the engine's background host-copy reservation ended: its bytes and the seconds waited."""
     start = time.perf_counter()
-    llm.wake_up()
-    woke = time.perf_counter()
-    llm.reload_weights()
-    _sync(device)
-    done = time.perf_counter()
-    return dict(wake_s=woke - start, reload_s=done - woke, total_s=done - start)
+    while True:
+        reservation = llm.memory_usage()["host_reservation"]
+        if reservation is None or reservation["done"] or time.perf_counter() - start > timeout:
+            break
+        time.sleep(0.05)
+    return {"reserved_bytes": reservation["reserved_bytes"] if reservation else 0,
+            "done": reservation is None or reservation["done"], "waited_s": time.perf_counter() - start}
 
 
-# (staging buffers, MiB each) tried by `staging_sweep`: the loader's default first (weights/staging.py), then
-# its neighbours (half / twice the buffers, twice the size) and the former default, 8 x 128 MiB.
-STAGING_SWEEP = ((32, 32), (16, 64), (64, 16), (32, 64), (8, 128))
-
-
-def staging_sweep(model_module, model: str, device: str, nbytes: int, timed) -> dict:
-    """The staged reload, page cache warm, with other numbers and sizes of staging buffers (the reader
-    threads follow the number, up to the cores): what the default is chosen from. Each set is pinned by an
-    untimed load first; the best of two timed loads."""
-    from torpor.engine.weights.index import checkpoint_files
-    from torpor.engine.weights.loader import load_weights
-    from torpor.engine.weights.staging import StagingBuffers
-
-    warm_page_cache(checkpoint_files(model))
-    rows = {}
-    for count, mib in STAGING_SWEEP:
-        staging = StagingBuffers(device, buffer_bytes=mib << 20, count=count)
-        try:
-            timed(lambda staging=staging: load_weights(model_module, model, staging))
-            seconds = min(timed(lambda staging=staging: load_weights(model_module, model, staging)) for _ in range(2))
-        finally:
-            staging.close()
-        rows[f"{count}x{mib}MiB"] = dict(buffers=count, mib=mib, threads=staging.threads, seconds=seconds,
-                                         gbps=nbytes / 1e9 / seconds)
-        print(f"staged reload with {count} x {mib} MiB buffers ({staging.threads} threads), page cache warm: "
-              f"{seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s", flush=True)
-    return rows
-
-
-def _instanttensor_path(model, files, device: str):
-    """The `instanttensor` package's reader (when installed, on CUDA) feeding the same parameters: its
-    own GPU ring buffer (outside torpor's memory tags), then one device copy per tensor."""
-    try:
-        import instanttensor
-    except ImportError:
-        return None
-    if not device.startswith("cuda"):
-        return None
-    from torpor.engine.weights.loader import load_named_tensors
-
-    def load() -> None:
-        index = torch.cuda.current_device()
-        with instanttensor.safe_open([str(f) for f in files], framework="pt", device=index, copy=False) as f:
-            load_named_tensors(model, f.tensors(), strict=True)
-
-    return load
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def memory_figures(llm, device: str, level: int) -> dict:
-    """Device memory awake and asleep at `level`, per tag; leaves the engine awake."""
+# ---- the default run --------------------------------------------------------------------------------------
+def sleep_row(llm, level: int, name: str) -> dict:
+    """One sleep at `level` and a full wake (+ `reload_weights` after level 2); memory awake and asleep, the
+    asleep memory's audit. `sleep_s` is the memory layer's own time of the sleep (its Report); `wake_s` the
+    wall time of `wake_up`, `reload_s` of the reload after it."""
     awake = llm.memory_usage()
     report = llm.sleep(level)
     asleep = llm.memory_usage()
-    if level >= 3:  # the context is checkpointed: no allocator to audit
-        audit = type("NoAudit", (), dict(tagged_bytes=0, untagged_bytes=0, other_bytes=0))()
-    else:
-        audit = llm.memory.audit()  # what stays while asleep: the default pool, and outside any allocator
+    audit = llm.memory.audit()  # what stays while asleep: the default pool, and outside any allocator
     start = time.perf_counter()
-    result = llm.wake_up()
-    if level in (2, 4):
-        llm.reload_weights()
+    woke = llm.wake_up()
     wake_s = time.perf_counter() - start
-    return dict(level=level, awake_mib=awake["device_used_bytes"] / MiB, asleep_mib=asleep["device_used_bytes"] / MiB,
-                sleep_s=report.seconds, sleep_copied_mib=report.bytes_copied / MiB, wake_s=wake_s,
-                wake_copied_mib=result.report.bytes_copied / MiB,
-                asleep_tagged_mib=audit.tagged_bytes / MiB, asleep_untagged_pool_mib=audit.untagged_bytes / MiB,
-                asleep_other_mib=(audit.other_bytes or 0) / MiB,
-                tags={t: dict(awake_mib=u["resident_bytes"] / MiB, reserved_mib=u["reserved_bytes"] / MiB)
-                      for t, u in awake["tags"].items()})
+    reload_s = None
+    if level == 2:
+        start = time.perf_counter()
+        llm.reload_weights()
+        sync(llm.config.device)
+        reload_s = time.perf_counter() - start
+    return {"name": name, "level": level, "awake_bytes": awake["device_used_bytes"],
+            "asleep_bytes": asleep["device_used_bytes"], "sleep_s": report.seconds,
+            "sleep_copied_bytes": report.bytes_copied, "sleep_released_bytes": report.bytes_released,
+            "wake_s": wake_s, "wake_copied_bytes": woke.report.bytes_copied, "reload_s": reload_s,
+            "asleep_tagged_bytes": audit.tagged_bytes, "asleep_default_pool_bytes": audit.untagged_bytes,
+            "asleep_other_bytes": audit.other_bytes,
+            "tags_awake": {tag: {"resident_bytes": u["resident_bytes"], "allocated_bytes": u["allocated_bytes"]}
+                           for tag, u in awake["tags"].items()}}
 
 
-def level3_cycle(llm, level: int, name: str) -> dict:
+def run_default(model: str, args: argparse.Namespace, run_: Run, results: dict) -> bool:
+    progress(f"building the engine ({run_.model} on {run_.gpu})")
+    llm, results["build_s"] = build(model, args)
+    progress(f"a cold start in a new process (the engine built here in {fmt_s(results['build_s'])})")
+    results["cold_start"] = cold_start(model, args.device, engine_options(args))
+    rows = results["sleep"] = {}
+    progress("level 1, the first sleep after start-up")
+    rows["level1_first"] = sleep_row(llm, 1, "level 1, first sleep after start-up")
+    progress("level 1, re-sleep with the weights unchanged")
+    rows["level1_resleep"] = sleep_row(llm, 1, "level 1, re-sleep (weights unchanged)")
+    llm.reload_weights()  # a weight write: the next sleep copies the weights again
+    progress("level 1 after a weight write")
+    rows["level1"] = sleep_row(llm, 1, "level 1 after a weight write")
+    progress("level 2 + reload_weights")
+    rows["level2"] = sleep_row(llm, 2, "level 2 (+ reload_weights)")
+    results["weights"] = weight_rows(llm, model)
+    exact = harness_and_soak(llm, args, results)
+    llm.close()
+    out = console()
+    out.print(run_.header())
+    print_sleep(out, run_, results)
+    print_weights(out, run_, results)
+    print_cold_starts(out, run_, {"cold start in a new process": results["cold_start"]})
+    print_harness(out, results)
+    return exact
+
+
+def print_sleep(out, run_: Run, r: dict) -> None:
+    link, bare = r["link_gbps"], r["bare_context_bytes"]
+    goals = {"level1_first": run_.goal("sleep <= 400 ms"), "level1_resleep": run_.goal("sleep <= 50 ms")}
+    rows = []
+    for key, f in r["sleep"].items():
+        sleep_rate = f["sleep_copied_bytes"] / f["sleep_s"] if f["sleep_s"] else None
+        wake_rate = f["wake_copied_bytes"] / f["wake_s"] if f["wake_s"] else None
+        rows.append([f["name"], fmt_bytes(f["asleep_bytes"] - bare, signed=True), fmt_s(f["sleep_s"]),
+                     fmt_bytes(f["sleep_copied_bytes"]), fmt_rate(sleep_rate),
+                     fmt_pct(sleep_rate, link.get("d2h", 0) * 1e9), fmt_s(f["wake_s"]),
+                     fmt_bytes(f["wake_copied_bytes"]), fmt_rate(wake_rate),
+                     fmt_pct(wake_rate, link.get("h2d", 0) * 1e9), fmt_s(f["reload_s"]) if f["reload_s"] else "",
+                     goals.get(key, "")])
+    link_text = ", ".join(f"{k} {fmt_rate(v * 1e9)}" for k, v in link.items()) or "not measured on CPU"
+    awake = r["sleep"]["level1_first"]["awake_bytes"]
+    out.print(table(f"sleep and wake: {fmt_bytes(awake)} in use awake, bare context {fmt_bytes(bare)}",
+                    ["case", "asleep - bare", "sleep", "copied", "rate", "of link", "wake", "copied", "rate",
+                     "of link", "+ reload", "goal"], rows,
+                    caption=f"pinned host link: {link_text}; sleep: the memory layer's time (its Report), wake: "
+                            "wall time of wake_up"))
+    f = r["sleep"]["level1"]
+    out.print(f"asleep at level 1: {fmt_bytes(f['asleep_tagged_bytes'])} still mapped in tags, "
+              f"{fmt_bytes(f['asleep_default_pool_bytes'])} in PyTorch's default pool (untagged), "
+              f"{fmt_bytes(f['asleep_other_bytes'])} outside any allocator (context, streams, kernel code)")
+    out.print(table("memory per tag, awake", ["tag", "resident", "in tensors"],
+                    [[tag, fmt_bytes(t["resident_bytes"]), fmt_bytes(t["allocated_bytes"])]
+                     for tag, t in f["tags_awake"].items()]))
+    wake = r["sleep"]["level1"]["wake_s"]
+    if "cold_start" in r and wake:
+        out.print(f"a cold start against a level-1 wake: {r['build_s'] / wake:.0f}x in this process "
+                  f"({fmt_s(r['build_s'])}), {r['cold_start']['total_s'] / wake:.0f}x as a new process "
+                  f"({fmt_s(r['cold_start']['total_s'])})")
+
+
+# ---- weights: reload, level-2 wake + reload ---------------------------------------------------------------
+def weight_rows(llm, model: str) -> dict:
+    """`reload_weights()` seconds and GB/s, page cache warm (best of 2) and cold; then a level-2 sleep's wake +
+    reload, twice (the first level-2 sleep also gives back the weights' reserved host copy)."""
+    files, nbytes = checkpoint_files(model), sum(tensor_bytes(model).values())
+    device = llm.config.device
+
+    def reload() -> float:
+        start = time.perf_counter()
+        llm.reload_weights()
+        sync(device)
+        return time.perf_counter() - start
+
+    progress("reload_weights, page cache warm and cold")
+    warm_page_cache(files)
+    warm = min(reload() for _ in range(2))
+    drop_page_cache(files)
+    cold = reload()
+    rows = {"checkpoint_bytes": nbytes, "reload_warm_s": warm, "reload_cold_s": cold}
+    for key in ("level2_wake_reload", "level2_wake_reload_again"):
+        progress("level-2 sleep, wake + reload_weights")
+        warm_page_cache(files)
+        llm.sleep(2)
+        start = time.perf_counter()
+        llm.wake_up()
+        woke = time.perf_counter()
+        llm.reload_weights()
+        sync(device)
+        rows[key] = {"wake_s": woke - start, "reload_s": time.perf_counter() - woke,
+                     "total_s": time.perf_counter() - start}
+    return rows
+
+
+def print_weights(out, run_: Run, r: dict) -> None:
+    w = r["weights"]
+    nbytes = w["checkpoint_bytes"]
+    rows = [["reload_weights, page cache warm", fmt_s(w["reload_warm_s"]), fmt_rate(nbytes / w["reload_warm_s"]),
+             run_.goal(">= 30 GB/s")],
+            ["reload_weights, page cache cold", fmt_s(w["reload_cold_s"]), fmt_rate(nbytes / w["reload_cold_s"]), ""]]
+    for key, label in (("level2_wake_reload", "level-2 wake + reload"),
+                       ("level2_wake_reload_again", "level-2 wake + reload, again (no host copy left)")):
+        f = w[key]
+        rows.append([f"{label} (wake {fmt_s(f['wake_s'])}, reload {fmt_s(f['reload_s'])})", fmt_s(f["total_s"]),
+                     "", run_.goal("<= 800 ms") if key.endswith("again") else ""])
+    if "answers_unchanged" in w:
+        rows.append(["answers after the reloads", "unchanged" if w["answers_unchanged"] else "CHANGED", "", ""])
+    out.print(table(f"weights: {fmt_bytes(nbytes)} checkpoint", ["case", "seconds", "rate", "goal"], rows))
+
+
+def run_loader(model: str, args: argparse.Namespace, run_: Run, results: dict) -> bool:
+    """The weight rows, the greedy answers before and after them compared; then the cold starts."""
+    from torpor import SamplingParams
+    from torpor.testing import differences, fixed_requests, run_round
+
+    progress(f"building the engine ({run_.model} on {run_.gpu})")
+    llm, results["build_s"] = build(model, args)
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=sp.max_tokens, ignore_eos=True))
+                for p, sp in fixed_requests(8, vocab_size(model), max_prompt=min(64, args.max_model_len - 17),
+                                               max_tokens=16)]
+    before = run_round(llm, requests)
+    results["weights"] = weight_rows(llm, model)
+    results["weights"]["answers_unchanged"] = not differences(before, run_round(llm, requests))
+    llm.close()
+    del llm
+    release(args.device)
+    results["cold_starts"] = cold_starts(model, args, args.cold_starts)
+    out = console()
+    out.print(run_.header())
+    print_weights(out, run_, results)
+    print_cold_starts(out, run_, results["cold_starts"])
+    return results["weights"]["answers_unchanged"]
+
+
+# ---- cold starts ------------------------------------------------------------------------------------------
+def cold_starts(model: str, args: argparse.Namespace, repeats: int = 3) -> dict:
+    """New processes to their first token: one profiling its KV-sizing step (kv_profile_cache off), then the
+    default reading it back (`repeats` starts, the median's phases), then the default with the checkpoint's
+    page cache dropped first."""
+    options = engine_options(args)
+    starts = {}
+    progress("cold start profiling its KV-sizing step")
+    starts["profiling the KV-sizing step"] = cold_start(model, args.device, {**options, "kv_profile_cache": False})
+    runs = []
+    for i in range(repeats):
+        progress(f"cold start, the default ({i + 1}/{repeats})")
+        runs.append(cold_start(model, args.device, options))
+    starts[f"the default, median of {repeats}"] = median_run(runs)
+    progress("cold start, page cache dropped first")
+    starts["the default, page cache cold"] = cold_start(model, args.device, options, drop_cache=True)
+    return starts
+
+
+def run_cold_starts(model: str, args: argparse.Namespace, run_: Run, results: dict) -> bool:
+    """One start not counted (it leaves what a restart finds: the KV-sizing step's record, Triton's kernels,
+    the bytecode), then `cold_starts`."""
+    progress("a first cold start, not counted")
+    cold_start(model, args.device, engine_options(args))
+    results["cold_starts"] = cold_starts(model, args, args.cold_starts)
+    out = console()
+    out.print(run_.header())
+    print_cold_starts(out, run_, results["cold_starts"])
+    return True
+
+
+def print_cold_starts(out, run_: Run, starts: dict[str, dict]) -> None:
+    """One column per start: its seconds by phase (imports, the LLM's start-up phases, the rest of the
+    start-up, the first token), the whole from launch to first token last."""
+    names = list(dict.fromkeys(p for s in starts.values() for p in s["startup_phases"] if p != "total"))
+    names = [n for n in names if n not in BESIDE_PHASES] + [n for n in names if n in BESIDE_PHASES]
+    rows = [["imports (torch, torpor)", *(fmt_s(s["imports_s"]) for s in starts.values())]]
+    for name in names:
+        label = f"  {name} ({where})" if (where := BESIDE_PHASES.get(name)) else name
+        rows.append([label, *(fmt_s(s["startup_phases"].get(name)) for s in starts.values())])
+    rows.append(["start-up outside the phases above", *(fmt_s(s["engine_other_s"]) for s in starts.values())])
+    rows.append(["first token", *(fmt_s(s["first_token_s"]) for s in starts.values())])
+    rows.append(["launch to first token", *(fmt_s(s["total_s"]) for s in starts.values())])
+    goal = run_.goal("<= 4 s for the default")
+    out.print(table("cold start in a new process, by phase", ["phase", *starts], rows, caption=goal or None))
+
+
+# ---- the bit-exact harness and the soak -------------------------------------------------------------------
+def harness_requests(args: argparse.Namespace, model: str) -> list:
+    """`--requests` mixed requests whose prompt + 32 output tokens fit max_model_len."""
+    from torpor.testing import fixed_requests
+
+    return fixed_requests(args.requests, vocab_size(model), max_prompt=min(256, args.max_model_len - 33),
+                          max_tokens=32)
+
+
+def harness_and_soak(llm, args: argparse.Namespace, results: dict, cases=None, soak_cases=None) -> bool:
+    """The bit-exact harness over `cases` (default: every scenario of torpor.testing), then `--soak-cycles`
+    cycles over `soak_cases`; their figures into `results`. Whether every round was exact."""
+    from torpor.testing import run_harness, soak
+
+    requests = harness_requests(args, llm.config.model)
+    progress(f"the bit-exact harness, {len(requests)} requests")
+    harness = run_harness(llm, requests, cases=cases, log=lambda line: progress(f"  {line}"))
+    results["harness"] = [{"name": s.name, "mismatches": s.mismatches, "requests": len(requests),
+                           "sleep_s": s.sleep_s, "wake_s": s.wake_s, "asleep_bytes": s.asleep_bytes}
+                          for s in harness]
+    progress(f"the soak, {args.soak_cycles} cycles")
+    start = time.perf_counter()
+    soaked = soak(llm, requests[:16], args.soak_cycles, log=lambda line: progress(f"  {line}"), cases=soak_cases)
+    results["soak"] = {"cycles": soaked.cycles, "exact": soaked.exact_cycles, "seconds": time.perf_counter() - start,
+                       "device_drift_bytes_per_cycle": soaked.drift(soaked.device_bytes) * MiB,
+                       "host_rss_drift_bytes_per_cycle": soaked.drift(soaked.host_rss_bytes) * MiB,
+                       "device_bytes_first_last": [soaked.device_bytes[0], soaked.device_bytes[-1]],
+                       "host_rss_bytes_first_last": [soaked.host_rss_bytes[0], soaked.host_rss_bytes[-1]]}
+    return all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
+
+
+def print_harness(out, r: dict) -> None:
+    rows = [[h["name"], "exact" if h["mismatches"] == 0 else f"{h['mismatches']}/{h['requests']} differ",
+             fmt_s(h["sleep_s"]), fmt_s(h["wake_s"]), fmt_bytes(h["asleep_bytes"])] for h in r["harness"]]
+    out.print(table("the bit-exact harness: every answer against the first awake round",
+                    ["scenario", "answers", "sleep", "wake", "asleep"], rows))
+    s = r["soak"]
+    first, last = s["device_bytes_first_last"], s["host_rss_bytes_first_last"]
+    out.print(f"soak: {s['exact']}/{s['cycles']} cycles exact in {fmt_s(s['seconds'])}; drift per cycle (slope of "
+              f"each scenario's readings, the largest): device {fmt_bytes(s['device_drift_bytes_per_cycle'], True)}, "
+              f"host RSS {fmt_bytes(s['host_rss_drift_bytes_per_cycle'], True)}; device {fmt_bytes(first[0])} -> "
+              f"{fmt_bytes(first[1])}, host RSS {fmt_bytes(last[0])} -> {fmt_bytes(last[1])}")
+
+
+def run_soak(model: str, args: argparse.Namespace, run_: Run, results: dict) -> bool:
+    progress(f"building the engine ({run_.model} on {run_.gpu})")
+    llm, results["build_s"] = build(model, args)
+    exact = harness_and_soak(llm, args, results)
+    llm.close()
+    out = console()
+    out.print(run_.header())
+    print_harness(out, results)
+    return exact
+
+
+# ---- the KV-cache curve -----------------------------------------------------------------------------------
+def run_kv_curve(model: str, args: argparse.Namespace, run_: Run, results: dict) -> bool:
+    """Per `gpu_memory_utilization` of KV_CURVE, one engine (closed before the next), its host copies reserved
+    first: the first level-1 sleep and a full wake, then a re-sleep, the wake of the weights alone
+    (`wake_up(["weights"])`, which also restores the runtime state) and the KV cache's."""
+    rows = results["kv_curve"] = []
+    for utilization in KV_CURVE:
+        progress(f"gpu_memory_utilization {utilization}: building the engine")
+        llm, build_s = build(model, args, gpu_memory_utilization=utilization)
+        wait_for_reservation(llm)
+        kv_bytes = llm.memory_usage()["tags"]["kv_cache"]["reserved_bytes"]
+        first = llm.sleep(1)
+        full = timed(llm.wake_up)
+        resleep = llm.sleep(1)
+        weights = timed(lambda llm=llm: llm.wake_up(["weights"]))
+        kv = timed(lambda llm=llm: llm.wake_up(["kv_cache"]))
+        rows.append({"gpu_memory_utilization": utilization, "kv_cache_bytes": kv_bytes, "build_s": build_s,
+                     "first_sleep_s": first.seconds, "first_sleep_copied_bytes": first.bytes_copied,
+                     "wake_s": full[0], "wake_copied_bytes": full[1].report.bytes_copied,
+                     "resleep_s": resleep.seconds, "wake_weights_s": weights[0],
+                     "wake_weights_copied_bytes": weights[1].report.bytes_copied, "wake_kv_cache_s": kv[0]})
+        llm.close()
+        del llm
+        release(args.device)
+    out = console()
+    out.print(run_.header())
+    out.print(table("level 1 by KV-cache size (gpu_memory_utilization)",
+                    ["utilization", "KV cache", "first sleep", "wake (all)", "copied", "re-sleep", "wake weights",
+                     "copied", "then wake kv_cache"],
+                    [[f"{r['gpu_memory_utilization']:.2f}", fmt_bytes(r["kv_cache_bytes"]),
+                      fmt_s(r["first_sleep_s"]), fmt_s(r["wake_s"]), fmt_bytes(r["wake_copied_bytes"]),
+                      fmt_s(r["resleep_s"]), fmt_s(r["wake_weights_s"]), fmt_bytes(r["wake_weights_copied_bytes"]),
+                      fmt_s(r["wake_kv_cache_s"])] for r in rows],
+                    caption="sleeps: the memory layer's time (Report.seconds); wakes: wall time of wake_up"))
+    return True
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+# ---- levels 3 and 4 -------------------------------------------------------------------------------------
+def start_ups(model: str, args: argparse.Namespace, rounds: int = 2) -> dict:
+    """Launch to first token in a new process, reserving the host copies and not: one warm-up start first (the
+    page cache, Triton's cache: the first start pays for them whichever option it has), then the two options
+    alternated `rounds` times; the medians."""
+    options = {"reserving": engine_options(args),
+               "not_reserving": {**engine_options(args), "reserve_host_copies": False}}
+    progress("a first start-up in a new process, not counted")
+    cold_start(model, args.device, options["not_reserving"])
+    times: dict[str, list[float]] = {label: [] for label in options}
+    for i in range(rounds):
+        for label, option in options.items():
+            progress(f"start-up {label.replace('_', ' ')} host copies ({i + 1}/{rounds})")
+            times[label].append(cold_start(model, args.device, option)["total_s"])
+    return {f"start_s_{label}": median(values) for label, values in times.items()}
+
+
+def level3_row(llm, level: int, name: str) -> dict:
     """One sleep at `level` and a full wake (+ reload after 2 and 4), wall seconds, with NVML's reading of
-    this process's device memory (taken by the checkpoint helper) awake and asleep."""
+    this process's device memory (taken by the checkpoint helper) awake and asleep, and the driver's share of
+    the checkpoint and of the restore."""
     from torpor.memory import checkpoint
 
-    awake = llm.memory_usage()
     awake_nvml = checkpoint.device_readings()
     start = time.perf_counter()
     report = llm.sleep(level)
     sleep_s = time.perf_counter() - start
-    asleep = llm.memory_usage()
-    asleep_nvml = checkpoint.device_readings()
+    asleep, asleep_nvml = llm.memory_usage(), checkpoint.device_readings()
     taken = checkpoint.current()  # the context's checkpoint (levels 3 and 4)
     start = time.perf_counter()
     llm.wake_up()
     if level in (2, 4):
         llm.reload_weights()
+    sync(llm.config.device)
     wake_s = time.perf_counter() - start
-    held = checkpoint.current()
     restored = checkpoint.last_restore() if taken is not None else None
-    # What the driver took of the sleep and of the wake (the rest: the tags, the helper's pipe and NVML).
-    driver = dict(checkpoint_s=taken.seconds if taken else 0.0, checkpoint=taken.driver_s if taken else {},
-                  restore_s=restored.seconds if restored else 0.0, restore=restored.driver_s if restored else {})
-    row = dict(name=name, level=level, sleep_s=sleep_s, wake_s=wake_s, driver=driver,
-               copied_mib=(report.bytes_copied if report else 0) / MiB,
-               awake_mib=awake["device_used_bytes"] / MiB, asleep_mib=asleep["device_used_bytes"] / MiB,
-               process_awake_mib=awake_nvml.get("process_bytes", -MiB) / MiB,
-               process_asleep_mib=asleep_nvml.get("process_bytes", -MiB) / MiB,
-               context_released=asleep["context_released"], checkpoint_active_after_wake=held is not None)
-    print(f"{name}: sleep {sleep_s:.3f} s (copied {row['copied_mib']:.0f} MiB), wake {wake_s:.3f} s; process "
-          f"{row['process_awake_mib']:.0f} MiB awake, {row['process_asleep_mib']:.0f} MiB asleep (NVML); device in "
-          f"use asleep {row['asleep_mib']:.0f} MiB" + (
-              f"; of the sleep, the context's checkpoint {driver['checkpoint_s']:.3f} s, of the wake its restore "
-              f"{driver['restore_s']:.3f} s (driver: " + ", ".join(
-                  f"{k} {v:.3f} s" for k, v in {**driver['checkpoint'], **driver['restore']}.items()) + ")"
-              if taken else ""), flush=True)
-    return row
+    return {"name": name, "level": level, "sleep_s": sleep_s, "wake_s": wake_s,
+            "copied_bytes": report.bytes_copied if report else 0,
+            "device_asleep_bytes": asleep["device_used_bytes"], "context_released": asleep["context_released"],
+            "process_awake_bytes": awake_nvml.get("process_bytes"),
+            "process_asleep_bytes": asleep_nvml.get("process_bytes"),
+            "checkpoint_s": taken.seconds if taken else None, "checkpoint_driver_s": taken.driver_s if taken else {},
+            "restore_s": restored.seconds if restored else None,
+            "restore_driver_s": restored.driver_s if restored else {}}
 
 
-def start_up_with_and_without_reservation(model: str, args: argparse.Namespace, rounds: int = 2) -> dict:
-    """Start-up to the first token in a new process, reserving the host copies and not, side by side: one
-    warm-up start first (page cache, Triton's cache: the first start pays for them whichever option it
-    has), then the two options alternated `rounds` times; the medians."""
-    options = {"start_s_reserving": "", "start_s_not_reserving": ", reserve_host_copies=False"}
-    cold_start_phases(model, args, options["start_s_not_reserving"])  # warm-up, not counted
-    times: dict[str, list[float]] = {label: [] for label in options}
-    for _ in range(rounds):
-        for label, option in options.items():
-            times[label].append(cold_start_phases(model, args, option)["total_s"])
-    return {label: statistics.median(values) for label, values in times.items()}
-
-
-def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
-    """Issue 15's figures; see the module docstring."""
-    from torpor.memory import checkpoint, cuda_driver
+def run_level3(model: str, args: argparse.Namespace, run_: Run, results: dict) -> bool:
+    from torpor.memory import MemoryManager
     from torpor.testing.harness import level3_scenarios, level3_soak_scenarios
 
-    checkpoint.check_support(cuda_driver.pci_bus_id(torch.cuda.current_device()))  # clear error if unsupported
-    results.update(start_up_with_and_without_reservation(model, args))
-    print(f"start-up to first token in a new process: {results['start_s_reserving']:.2f} s reserving host copies, "
-          f"{results['start_s_not_reserving']:.2f} s not", flush=True)
-    llm, build_s = build(model, args)
-    reservation = llm.engine.host_reservation
-    reservation.wait()
-    results["build_s"] = build_s
-    results["reservation"] = dict(seconds=reservation.seconds, gib=reservation.reserved_bytes / 2**30,
-                                  error=None if reservation.error is None else str(reservation.error))
-    print(f"host copies reserved in the background: {reservation.reserved_bytes / 2**30:.2f} GiB in "
-          f"{reservation.seconds:.2f} s (engine built in {build_s:.1f} s)", flush=True)
-    rows = [level3_cycle(llm, 1, "level 1, first sleep (copies reserved)"),
-            level3_cycle(llm, 1, "level 1, re-sleep (weights' copy kept)")]
-    llm.engine.mark_weights_dirty()  # what update_weights / reload_weights / a push declare
-    rows.append(level3_cycle(llm, 1, "level 1 after a weight write"))
-    rows.append(level3_cycle(llm, 3, "level 3"))
-    rows.append(level3_cycle(llm, 3, "level 3 (again)"))
-    rows.append(level3_cycle(llm, 4, "level 4 (+ reload_weights)"))
-    results["rows"] = rows
+    probe = MemoryManager(args.device)  # a clear error now if the driver cannot checkpoint this process
+    try:
+        probe.check_checkpoint()
+    finally:
+        probe.close()
+    results.update(start_ups(model, args))
+    progress(f"building the engine ({run_.model} on {run_.gpu})")
+    llm, results["build_s"] = build(model, args)
+    results["reservation"] = wait_for_reservation(llm)
+    rows = results["rows"] = []
+    for level, name in ((1, "level 1, first sleep (copies reserved)"), (1, "level 1, re-sleep (weights unchanged)"),
+                        (1, "level 1 after a weight write"), (3, "level 3"), (3, "level 3, again"),
+                        (4, "level 4 (+ reload_weights)")):
+        if name == "level 1 after a weight write":
+            llm.reload_weights()  # what update_weights, a push and reload_weights declare: the copy is stale
+        progress(name)
+        rows.append(level3_row(llm, level, name))
     exact = harness_and_soak(llm, args, results, level3_scenarios(), level3_soak_scenarios())
-    report_level3(results)
-    return finish(results, args, exact)
+    llm.close()
+    print_level3(run_, results)
+    return exact
 
 
-def report_level3(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
-    link = ", ".join(f"{k} {v:.1f} GB/s" for k, v in r["link_gbps"].items())
+def print_level3(run_: Run, r: dict) -> None:
+    out = console()
+    out.print(run_.header())
     slower = r["start_s_reserving"] / r["start_s_not_reserving"] - 1
-    console.print(f"{r['model']} on {r['device']}; bare context {r['bare_mib']:.0f} MiB; pinned link {link}; "
-                  f"start-up to first token {r['start_s_reserving']:.2f} s reserving host copies, "
-                  f"{r['start_s_not_reserving']:.2f} s not ({slower:+.1%}; goal <= +5%); reserved "
-                  f"{r['reservation']['gib']:.2f} GiB in {r['reservation']['seconds']:.2f} s")
-    table = Table(title="sleep levels 1, 3, 4 (goals: first sleep <= 0.4 s, re-sleep <= 0.05 s, level 3 asleep "
-                        "0 MiB in the process, level-3 wake <= level-1 wake + 0.3 s)")
-    for col in ("case", "sleep s", "copied MiB", "wake s", "process awake MiB (NVML)", "process asleep MiB (NVML)",
-                "device in use asleep MiB"):
-        table.add_column(col, justify="right")
-    for row in r["rows"]:
-        table.add_row(row["name"], f"{row['sleep_s']:.3f}", f"{row['copied_mib']:.0f}", f"{row['wake_s']:.3f}",
-                      f"{row['process_awake_mib']:.0f}", f"{row['process_asleep_mib']:.0f}", f"{row['asleep_mib']:.0f}")
-    console.print(table)
-    console.print("(process MiB -1: no NVML reading; 0 while awake: NVML does not list this PID, e.g. another PID "
-                  "namespace, and the asleep 0 proves nothing)")
-    for h in r["harness"]:
-        verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
-        console.print(f"harness {h['name']}: {verdict} (sleep {h['sleep_s']:.3f} s, wake {h['wake_s']:.3f} s)")
-    s = r["soak"]
-    console.print(f"level-3 soak: {s['exact']}/{s['cycles']} cycles exact, device drift {s['device_slope_mib']:+.3f} "
-                  f"MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.3f} MiB/cycle")
-
-
-def run(args: argparse.Namespace) -> int:
-    from torpor.cli.bench_memory import pinned_bandwidth
-
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    device = "cpu" if device == "auto" else device
-    args.device = device
-    if device.startswith("cuda") and not torch.cuda.is_available():  # before a preset is written into the cache
-        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    if args.level3 and not device.startswith("cuda"):
-        raise ValueError("--level3 needs a CUDA device (level 3 releases the CUDA context)")
-    model = resolve_model(args.model, device)
-    if device.startswith("cuda"):
-        torch.zeros(1, device=device)
-    from torpor.memory import device_used_bytes
-
-    bare = device_used_bytes(device)
-    link = pinned_bandwidth(torch.device(device)) if device.startswith("cuda") else {}
-    results: dict = dict(model=model, device=device, bare_mib=bare / MiB, link_gbps=link)
-    if args.level3:
-        return run_level3(args, model, results)
-    if args.loader_only:
-        return run_loader(model, args, results)
-    if args.cold_start_only:
-        return run_cold_starts(model, args, results)
-    if args.soak_only:
-        return run_soak(model, args, results)
-    if not args.skip_untagged:
-        llm, _ = build(model, args, untagged_phases=("runtime",))
-        results["untagged_runtime"] = memory_figures(llm, device, 1)
-        print(f"runtime untagged: asleep {results['untagged_runtime']['asleep_mib']:.0f} MiB", flush=True)
-        del llm
-        _release(device)
-    llm, cold_s = build(model, args)
-    results["cold_start_s"] = cold_s  # in this process: CUDA context, kernels and page cache warm
-    results["cold_start_phases"] = cold_start_phases(model, args)
-    results["cold_start_process_s"] = results["cold_start_phases"]["total_s"]
-    print(f"cold start: {cold_s:.1f} s in this process, {results['cold_start_process_s']:.1f} s as a new process",
-          flush=True)
-    # The first level-1 sleep also pins the host buffers the later ones reuse.
-    # level1_first: right after start-up, while the host copies may still be being reserved in the background
-    # (the sleep takes the rest over); level1: a full copy, as after a weight update (the re-sleep that keeps a
-    # clean copy is measured by --level3).
-    for name, level in (("level1_first", 1), ("level1", 1), ("level2", 2)):
-        llm.engine.mark_weights_dirty()
-        results[name] = figures = memory_figures(llm, device, level)
-        print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
-              f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
-    results["loader"] = loader_figures(llm, model, device)
-    exact = harness_and_soak(llm, args, results)
-    report(results)
-    return finish(results, args, exact)
-
-
-def harness_requests(llm, args: argparse.Namespace) -> list:
-    """The bit-exact batch: `--requests` mixed requests whose prompt + 32 output tokens fit max_model_len."""
-    from torpor.testing.harness import fixed_requests
-
-    return fixed_requests(args.requests, llm.engine.vocab_size, max_prompt=min(256, args.max_model_len - 33),
-                          max_tokens=32)
-
-
-def run_soak(model: str, args: argparse.Namespace, results: dict) -> int:
-    """`--soak-only`: the harness, then `--soak-cycles` cycles over every scenario, each compared exactly."""
-    llm, results["cold_start_s"] = build(model, args)
-    exact = harness_and_soak(llm, args, results)
-    s = results["soak"]
-    print(f"soak: {s['exact']}/{s['cycles']} cycles exact in {s['seconds']:.0f} s; device drift "
-          f"{s['device_slope_mib']:+.4f} MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.4f} MiB/cycle (slope of "
-          f"each scenario's readings, the largest); device {s['device_mib_first_last'][0]:.0f} -> "
-          f"{s['device_mib_first_last'][1]:.0f} MiB, host RSS {s['host_rss_mib_first_last'][0]:.0f} -> "
-          f"{s['host_rss_mib_first_last'][1]:.0f} MiB", flush=True)
-    return finish(results, args, exact)
-
-
-def harness_and_soak(llm, args: argparse.Namespace, results: dict, cases=None, soak_cases=None) -> bool:
-    """The bit-exact harness over `cases` (default: every scenario), then `--soak-cycles` cycles over
-    `soak_cases`; their figures into `results`. Returns whether every round was exact."""
-    from torpor.testing.harness import run_harness, soak
-
-    requests = harness_requests(llm, args)
-    results["harness"] = [dict(name=s.name, mismatches=s.mismatches, sleep_s=s.sleep_s, wake_s=s.wake_s)
-                          for s in run_harness(llm, requests, cases=cases)]
-    start = time.perf_counter()
-    soaked = soak(llm, requests[:16], args.soak_cycles, log=print, cases=soak_cases)
-    results["soak"] = dict(cycles=soaked.cycles, exact=soaked.exact_cycles, seconds=time.perf_counter() - start,
-                           device_slope_mib=soaked.drift(soaked.device_bytes),
-                           host_rss_slope_mib=soaked.drift(soaked.host_rss_bytes),
-                           device_mib_first_last=[soaked.device_bytes[0] / MiB, soaked.device_bytes[-1] / MiB],
-                           host_rss_mib_first_last=[soaked.host_rss_bytes[0] / MiB, soaked.host_rss_bytes[-1] / MiB])
-    return all(h["mismatches"] == 0 for h in results["harness"]) and soaked.exact_cycles == soaked.cycles
-
-
-def finish(results: dict, args: argparse.Namespace, exact: bool) -> int:
-    """Write the JSON (when asked for); the exit code: 0 when every round was exact."""
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if exact else 1
-
-
-def run_loader(model: str, args: argparse.Namespace, results: dict) -> int:
-    """`--loader-only`: the weight rows, and the answers before and after every reload compared."""
-    from torpor.engine import SamplingParams
-    from torpor.testing.harness import differences, fixed_requests, run_round
-
-    llm, results["cold_start_s"] = build(model, args)
-    requests = fixed_requests(8, llm.engine.vocab_size, max_prompt=64, max_tokens=16)
-    requests = [(p, SamplingParams(temperature=0.0, max_tokens=sp.max_tokens, ignore_eos=True)) for p, sp in requests]
-    before = run_round(llm, requests)
-    results["loader"] = loader_figures(llm, model, args.device)
-    results["loader"]["answers_unchanged"] = not differences(before, run_round(llm, requests))
-    cold_starts(model, args, results)
-    report_loader(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if results["loader"]["answers_unchanged"] else 1
-
-
-def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
-    """A restart profiling its KV-sizing step (the old path: weights loaded first, every graph size warmed up);
-    then restarts reading back the step it measured: the old path (TORPOR_OVERLAP_LOAD=0,
-    TORPOR_CAPTURE_WARMUPS=every), the weights loaded beside the KV sizing and the graph capture with every size
-    warmed up, and the default (beside, one warm-up), alternated three times each (`cold_start_alternated`: the
-    machine's noise moves them alike; the rows named as before are the first of each); the default under cProfile
-    (where the start-up's own time goes); loaded first with one warm-up; the old path and the default again with the
-    checkpoint's page cache dropped first."""
-    results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False, overlap_load=False,
-                                                               capture_warmups="every")
-    alternated: dict[str, list[dict]] = {"loaded_first": [], "overlapped": [], "overlapped_one_warmup": []}
-    for _ in range(3):
-        alternated["loaded_first"].append(cold_start_phases(model, args, overlap_load=False, capture_warmups="every"))
-        alternated["overlapped"].append(cold_start_phases(model, args, overlap_load=True, capture_warmups="every"))
-        alternated["overlapped_one_warmup"].append(cold_start_phases(model, args))
-    results["cold_start_alternated"] = alternated
-    results["cold_start_phases"] = alternated["loaded_first"][0]
-    results["cold_start_phases_overlapped"] = alternated["overlapped"][0]
-    results["cold_start_phases_default"] = alternated["overlapped_one_warmup"][0]
-    results["cold_start_phases_profiled"] = cold_start_phases(model, args, profile_top=30)
-    results["cold_start_phases_one_warmup"] = cold_start_phases(model, args, overlap_load=False)
-    results["cold_start_phases_cold_cache"] = cold_start_phases(model, args, overlap_load=False, cold_cache=True,
-                                                                capture_warmups="every")
-    results["cold_start_phases_cold_cache_overlapped"] = cold_start_phases(model, args, cold_cache=True)
-
-
-def run_cold_starts(model: str, args: argparse.Namespace, results: dict) -> int:
-    """`--cold-start-only`: the cold starts of `cold_starts`, reported as in `--loader-only`, after one start
-    not counted that leaves what a restart finds (the KV-sizing step's memory, Triton's kernels, the bytecode)."""
-    cold_start_phases(model, args)
-    cold_starts(model, args, results)
-    report_loader(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
-
-
-ALTERNATED_LABELS = {"loaded_first": "the old path (loaded first, every size warmed up)",
-                     "overlapped": "loaded beside, every size warmed up",
-                     "overlapped_one_warmup": "the default (loaded beside, one warm-up)"}
-
-
-def report_loader(r: dict) -> None:
-    from rich.console import Console
-
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
-    if "loader" in r:
-        report_reloads(console, r)
-    for key, label in (("cold_start_phases_profiling", "profiling its step"),
-                       ("cold_start_phases", "the step's memory read back"),
-                       ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
-                                                        "graph capture, every size warmed up"),
-                       ("cold_start_phases_default", "read back, the default (loaded beside, one warm-up)"),
-                       ("cold_start_phases_one_warmup", "read back, loaded first, only the largest graph size "
-                                                        "warmed up"),
-                       ("cold_start_phases_profiled", "read back, the default under cProfile (slower: the "
-                                                      "profiler's cost)"),
-                       ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
-                       ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
-                                                                   "default")):
-        if key in r:
-            c = r[key]
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
-            read_back = "read back" if c.get("kv_profile_read_back") else "measured"
-            cache = f"bytecode cache {c['bytecode_cache']}" if c.get("bytecode_cache") else "no bytecode cache"
-            console.print(f"cold start in a new process, {label}: {c['total_s']:.2f} s (step memory {read_back}, "
-                          f"{cache}); phases (s): {phases}")
-            if c.get("graph_capture"):
-                sizes = ", ".join(f"{g['batch_size']}: {g['warm_up_s']:.3f}+{g['capture_s']:.3f}"
-                                  for g in c["graph_capture"])
-                console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
-            if c.get("weight_load_beside_s") is not None:
-                console.print(f"  the weight load on its own thread, beside the KV sizing and graph capture: "
-                              f"{c['weight_load_beside_s']:.2f} s ({c['load_threads_beside']} reader threads)")
-            for line in c.get("profile", []):
-                console.print(f"  {line}", highlight=False, markup=False)
-    if "cold_start_alternated" in r:
-        for name, runs in r["cold_start_alternated"].items():
-            totals = sorted(run["total_s"] for run in runs)
-            capture = sorted(run["phases"].get("cuda_graph_capture", 0.0) for run in runs)
-            median = totals[len(totals) // 2]
-            label = ALTERNATED_LABELS.get(name, name)
-            console.print(f"cold start, read back, {label}, alternated: median {median:.2f} s "
-                          f"(runs {', '.join(f'{t:.2f}' for t in totals)}; graph capture median "
-                          f"{capture[len(capture) // 2]:.2f} s; goal <= 4 s)")
-
-
-def report_reloads(console, r: dict) -> None:
-    from rich.table import Table
-
-    loader = r["loader"]
-    table = Table(title=f"reload of {loader['checkpoint_gb']:.2f} GB ({r['model']} on {r['device']}): plain vs staged")
-    for col in ("path", "page cache", "seconds", "GB/s"):
-        table.add_column(col, justify="right")
-    for key, row in loader["reload"].items():
-        path, cache = key.rsplit("_", 1)
-        label = {"old": "plain (safe_open)", "new": "staged (torpor)"}.get(path, path)
-        table.add_row(label, cache, f"{row['seconds']:.3f}", f"{row['gbps']:.1f}")
-    console.print(table)
-    w = loader["level2_wake_reload"]
-    console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
-                  f"reload {w['reload_s']:.3f} s)")
-    if "level2_wake_reload_again" in loader:
-        w = loader["level2_wake_reload_again"]
-        console.print(f"level-2 wake + reload, again: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
-                      f"reload {w['reload_s']:.3f} s; goal <= 0.8 s)")
-    if "answers_unchanged" in loader:
-        console.print(f"answers after the reloads: {'unchanged' if loader['answers_unchanged'] else 'CHANGED'}")
-
-
-def report(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
-    link = ", ".join(f"{k} {v:.1f} GB/s" for k, v in r["link_gbps"].items())
-    console.print(f"{r['model']} on {r['device']}; bare context {r['bare_mib']:.0f} MiB; pinned link {link}; "
-                  f"cold start {r['cold_start_s']:.1f} s in process, {r['cold_start_process_s']:.1f} s new process")
-    table = Table(title="device memory per tag (MiB) and sleep/wake")
-    for col in ("case", "awake", "asleep", "asleep - bare", "sleep s", "copied MiB", "ideal s", "wake s",
-                "cold start / wake (in process)", "(new process)"):
-        table.add_column(col, justify="right")
-    d2h = r["link_gbps"].get("d2h", 0)
-    for name in ("untagged_runtime", "level1_first", "level1", "level2"):
-        if name not in r:
-            continue
-        f = r[name]
-        ideal = f["sleep_copied_mib"] * MiB / (d2h * 1e9) if d2h else 0.0
-        over_bare = f["asleep_mib"] - r["bare_mib"]
-        ratios = [f"{r[key] / f['wake_s']:.0f}x" if f["wake_s"] else "-"
-                  for key in ("cold_start_s", "cold_start_process_s")]
-        table.add_row(name, f"{f['awake_mib']:.0f}", f"{f['asleep_mib']:.0f}", f"{over_bare:+.0f}",
-                      f"{f['sleep_s']:.3f}", f"{f['sleep_copied_mib']:.0f}", f"{ideal:.3f}",
-                      f"{f['wake_s']:.3f}", *ratios)
-    console.print(table)
-    f = r["level1"]
-    console.print(f"asleep at level 1: {f['asleep_tagged_mib']:.0f} MiB still mapped in tags, "
-                  f"{f['asleep_untagged_pool_mib']:.0f} MiB in PyTorch's default pool (graph RNG state, untagged), "
-                  f"{f['asleep_other_mib']:.0f} MiB outside any allocator (context, streams, kernel code)")
-    for tag, t in r["level1"]["tags"].items():
-        console.print(f"  {tag}: {t['awake_mib']:.1f} MiB resident awake")
-    for h in r["harness"]:
-        verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
-        console.print(f"harness {h['name']}: {verdict}")
-    report_loader(r)
-    s = r["soak"]
-    console.print(f"soak: {s['exact']}/{s['cycles']} cycles exact, device drift {s['device_slope_mib']:+.3f} "
-                  f"MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.3f} MiB/cycle (slope of each scenario's "
-                  "readings, the largest)")
-
-
-def _release(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    reservation = r["reservation"]
+    out.print(table("start-up to the first token in a new process (medians)", ["case", "seconds", "goal"], [
+        ["reserving the host copies (the default)", fmt_s(r["start_s_reserving"]), ""],
+        ["not reserving them", fmt_s(r["start_s_not_reserving"]), ""],
+        ["reserving against not", f"{slower:+.1%}", run_.goal("<= +5%")]],
+        caption=f"host copies reserved in the background: {fmt_bytes(reservation['reserved_bytes'])}, done "
+                f"{fmt_s(reservation['waited_s'])} after the engine was built in {fmt_s(r['build_s'])}"))
+    level1_wake = r["rows"][0]["wake_s"]
+    goals = {0: run_.goal("sleep <= 400 ms"), 1: run_.goal("sleep <= 50 ms"),
+             3: run_.goal(f"0 B asleep in the process; wake <= {fmt_s(level1_wake + 0.3)} (level 1 + 300 ms)")}
+    rows = [[row["name"], fmt_s(row["sleep_s"]), fmt_bytes(row["copied_bytes"]), fmt_s(row["wake_s"]),
+             fmt_bytes(row["process_awake_bytes"]), fmt_bytes(row["process_asleep_bytes"]),
+             fmt_bytes(row["device_asleep_bytes"]), fmt_s(row["checkpoint_s"]), fmt_s(row["restore_s"]),
+             goals.get(i, "")] for i, row in enumerate(r["rows"])]
+    out.print(table("sleep levels 1, 3 and 4",
+                    ["case", "sleep", "copied", "wake", "process awake (NVML)", "process asleep (NVML)",
+                     "device in use asleep", "context checkpoint", "its restore", "goal"], rows,
+                    caption="process '-': no NVML reading; 0 B awake: NVML does not list this process (another PID "
+                            "namespace), and 0 B asleep then proves nothing. The driver's share of the checkpoint "
+                            "and the restore: --json"))
+    print_harness(out, r)
