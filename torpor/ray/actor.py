@@ -14,7 +14,9 @@ Only `LLM`'s public methods are used, so the engine's internals may change under
 
 from __future__ import annotations
 
+import functools
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -23,6 +25,29 @@ from typing import Any
 import ray
 
 GENERATE_CONCURRENCY = 256  # `generate` calls one replica runs at once (each a thread; they batch in the engine)
+
+
+def portable(method):
+    """Errors that reach the caller as themselves: an exception Ray cannot rebuild on the caller's side (one
+    whose constructor takes other arguments than its message) becomes its nearest built-in base (ValueError,
+    RuntimeError, ...) with the original type's name in the message."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as error:
+            try:
+                pickle.loads(pickle.dumps(error))
+                portable_error = None
+            except Exception:
+                base = next(c for c in type(error).__mro__ if c.__module__ == "builtins")
+                portable_error = base(f"{type(error).__name__}: {error}")
+            if portable_error is None:
+                raise
+            raise portable_error from None
+
+    return call
 
 
 @ray.remote(concurrency_groups={"control": 1, "health": 2}, max_concurrency=GENERATE_CONCURRENCY)
@@ -58,6 +83,7 @@ class EngineActor:
         self._started = time.time()
 
     # ---- generation ---------------------------------------------------------------------------------
+    @portable
     def generate(self, prompts, sampling_params=None) -> list:
         """`LLM.generate`: outputs in input order (RequestOutput objects, vLLM's shape)."""
         count = len(prompts) if isinstance(prompts, list | tuple) else 1
@@ -74,22 +100,27 @@ class EngineActor:
 
     # ---- control (one at a time, in order) -------------------------------------------------------------
     @ray.method(concurrency_group="control")
+    @portable
     def sleep(self, level: int = 1, mode: str = "wait"):
         return self.llm.sleep(level, mode)
 
     @ray.method(concurrency_group="control")
+    @portable
     def wake_up(self, tags: list[str] | None = None):
         return self.llm.wake_up(tags)
 
     @ray.method(concurrency_group="control")
+    @portable
     def is_sleeping(self) -> bool:
         return self.llm.is_sleeping()
 
     @ray.method(concurrency_group="control")
+    @portable
     def reload_weights(self, path: str | None = None) -> None:
         return self.llm.reload_weights(path)
 
     @ray.method(concurrency_group="control")
+    @portable
     def update_weights(self, named_tensors) -> int:
         """Named tensors (pairs, a {name: tensor} dict, or an ObjectRef of either: a fleet's kept weights)."""
         if isinstance(named_tensors, ray.ObjectRef):
@@ -99,52 +130,63 @@ class EngineActor:
         return self.llm.update_weights(named_tensors)
 
     @ray.method(concurrency_group="control")
+    @portable
     def update_weights_from_tensor(self, named_tensors=None, load_format: str | None = None, flush_cache: bool = True,
                                    serialized_named_tensors: list[str] | None = None) -> int:
         return self.llm.update_weights_from_tensor(named_tensors, load_format, flush_cache, serialized_named_tensors)
 
     @ray.method(concurrency_group="control")
+    @portable
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str | None = None, timeout: float = 120.0) -> None:
         return self.llm.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
                                                   backend, timeout)
 
     @ray.method(concurrency_group="control")
+    @portable
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str, flush_cache: bool = True) -> int:
         return self.llm.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)
 
     @ray.method(concurrency_group="control")
+    @portable
     def destroy_weights_update_group(self, group_name: str) -> None:
         return self.llm.destroy_weights_update_group(group_name)
 
     @ray.method(concurrency_group="control")
+    @portable
     def reset_prefix_cache(self) -> bool:
         return self.llm.reset_prefix_cache()
 
     @ray.method(concurrency_group="control")
+    @portable
     def collective_rpc(self, method: str, args: tuple | list = (), kwargs: dict | None = None) -> list:
         return self.llm.collective_rpc(method, args, kwargs)
 
     @ray.method(concurrency_group="control")
+    @portable
     def memory_usage(self) -> dict:
         return self.llm.memory_usage()
 
     @ray.method(concurrency_group="control")
+    @portable
     def state(self):
         return self.llm.state
 
     # ---- health (answers while the others are busy) ---------------------------------------------------
     @ray.method(concurrency_group="health")
+    @portable
     def ping(self) -> str:
         """This incarnation's id (a fleet's liveness probe)."""
         return self.incarnation
 
     @ray.method(concurrency_group="health")
+    @portable
     def set_weight_version(self, version: int | str) -> None:
         self.weight_version = version
 
     @ray.method(concurrency_group="health")
+    @portable
     def info(self) -> dict[str, Any]:
         """Where this replica runs: process id, node, device, tensor-parallel size, incarnation."""
         context = ray.get_runtime_context()
@@ -153,6 +195,7 @@ class EngineActor:
                 "gpu_ids": ray.get_gpu_ids(), "incarnation": self.incarnation}
 
     @ray.method(concurrency_group="health")
+    @portable
     def stats(self) -> dict[str, Any]:
         """State, queue, KV cache bytes resident, requests in flight and served. The engine's state is read
         between two of its steps (`LLM.state`), so this waits at most one step, or for a control call that
@@ -171,6 +214,7 @@ class EngineActor:
                 "uptime_s": time.time() - self._started}
 
     @ray.method(concurrency_group="health")
+    @portable
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers (before the actor is killed)."""
         self.llm.close()

@@ -62,10 +62,11 @@ Answers = tuple[dict[int, object], dict[int, BaseException], list[int]]
 
 
 def gather(refs: dict[int, ray.ObjectRef], timeout_s: float, what: str,
-           on_dead: Callable[[int], None] | None = None) -> Answers:
+           on_dead: Callable[[int], None] | None = None, stated_s: float | None = None) -> Answers:
     """Wait for every replica's answer within `timeout_s`. Returns (results, errors, dead): replicas that
     did not answer get a ReplicaTimeout naming them; replicas whose actor died are in `dead` (and `on_dead`
-    is called for each)."""
+    is called for each). `stated_s`: the call's whole timeout, as the errors name it (default `timeout_s`)."""
+    stated_s = timeout_s if stated_s is None else stated_s
     deadline = time.monotonic() + timeout_s
     pending = {ref: i for i, ref in refs.items()}
     results: dict[int, object] = {}
@@ -76,7 +77,7 @@ def gather(refs: dict[int, ray.ObjectRef], timeout_s: float, what: str,
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
         if not ready:
             for i in pending.values():
-                errors[i] = ReplicaTimeout(f"no answer to {what} within {timeout_s:g} s")
+                errors[i] = ReplicaTimeout(f"no answer to {what} within {stated_s:g} s")
             break
         for ref in ready:
             i = pending.pop(ref)
@@ -88,7 +89,7 @@ def gather(refs: dict[int, ray.ObjectRef], timeout_s: float, what: str,
                 if on_dead is not None:
                     on_dead(i)
             except GetTimeoutError:
-                errors[i] = ReplicaTimeout(f"no answer to {what} within {timeout_s:g} s")
+                errors[i] = ReplicaTimeout(f"no answer to {what} within {stated_s:g} s")
             except Exception as e:  # the replica's own error, raised there
                 errors[i] = unwrap(e)
     return results, errors, dead

@@ -424,7 +424,7 @@ class RolloutFleet:
         refs = {i: getattr(h, method).remote(*(args[i] if isinstance(args, dict) else args))
                 for i, h in targets.items()}
         answers, errors, _ = gather(refs, max(0.0, deadline - time.monotonic()), method,
-                                    on_dead=lambda i: self._on_dead(self._replicas[i]))
+                                    on_dead=lambda i: self._on_dead(self._replicas[i]), stated_s=timeout)
         results = FleetResults([answers.get(r.index) for r in self._replicas], excluded)
         results.failed = errors
         if strict:
