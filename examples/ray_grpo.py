@@ -27,11 +27,11 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import colocated_grpo  # noqa: E402  (the task, the loss and the GRPO step are that example's)
+import colocated_grpo  # (the task, the loss and the GRPO step are that example's)
 
-from torpor import SamplingParams  # noqa: E402
-from torpor.ray import GroupBroadcaster, RolloutFleet, spec  # noqa: E402
-from torpor.rl.engine_process import free_port  # noqa: E402
+from torpor import SamplingParams
+from torpor.ray import GroupBroadcaster, RolloutFleet, spec
+from torpor.rl.engine_process import free_port
 
 ray.cloudpickle.register_pickle_by_value(colocated_grpo)  # the trainer actor runs its functions, shipped by value
 

@@ -200,8 +200,8 @@ def test_replica_that_never_answers_is_named(fleet, reference):
     os.kill(pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        with pytest.raises(FleetTimeoutError, match=r"reset_prefix_cache failed on 1 replica\(s\): replica 0: "
-                                                    r"ReplicaTimeout: no answer to reset_prefix_cache within 3 s") as failure:
+        named = r"reset_prefix_cache failed on 1 replica\(s\): replica 0: ReplicaTimeout: no answer .* within 3 s"
+        with pytest.raises(FleetTimeoutError, match=named) as failure:
             fleet.reset_prefix_cache(timeout=3)
         assert time.monotonic() - start < 6 and set(failure.value.errors) == {0}
         assert failure.value.results[1] is True  # the other replica answered
