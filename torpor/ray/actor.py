@@ -50,9 +50,12 @@ def portable(method):
     return call
 
 
-@ray.remote(concurrency_groups={"control": 1, "health": 2}, max_concurrency=GENERATE_CONCURRENCY)
-class EngineActor:
-    """One engine replica: `EngineActor.options(num_gpus=..., scheduling_strategy=...).remote(model, ...)`.
+CONCURRENCY = {"concurrency_groups": {"control": 1, "health": 2}, "max_concurrency": GENERATE_CONCURRENCY}
+
+
+class EngineReplica:
+    """One engine replica (the class of `EngineActor`; `torpor.ray.openrlhf` extends it):
+    `EngineActor.options(num_gpus=..., scheduling_strategy=...).remote(model, ...)`.
 
     model: a checkpoint folder or Hub id (None: the embedded tiny model). device: "auto" (the GPU(s) Ray gave
     this actor, else the CPU), "cpu" or "cuda". engine_kwargs: `LLM`'s keyword arguments (dtype, max_model_len,
@@ -61,7 +64,8 @@ class EngineActor:
     fleet (shown in errors)."""
 
     def __init__(self, model: str | None = None, device: str = "auto", engine_kwargs: dict | None = None,
-                 visible_devices: list[int] | None = None, replica_index: int = 0) -> None:
+                 visible_devices: list[int] | None = None, replica_index: int = 0,
+                 wait_if_asleep: float | None = 0.0) -> None:
         if visible_devices is not None:  # before torch initializes CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(d)) for d in visible_devices)
         import torch
@@ -75,7 +79,8 @@ class EngineActor:
             torch.set_num_threads(threads)  # the CPUs Ray gave this replica, not every core of the host
         self.replica_index = replica_index
         self.incarnation = uuid.uuid4().hex  # a restarted replica is a new incarnation
-        self.llm = LLM(model, device=device, **(engine_kwargs or {}))
+        # wait_if_asleep: 0 (a fleet refuses requests while it sleeps); OpenRLHF's surface lets them wait
+        self.llm = LLM(model, device=device, wait_if_asleep=wait_if_asleep, **(engine_kwargs or {}))
         self.weight_version: int | str = 0
         self._lock = threading.Lock()
         self._in_flight = 0      # prompts inside `generate` now
@@ -218,3 +223,6 @@ class EngineActor:
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers (before the actor is killed)."""
         self.llm.close()
+
+
+EngineActor = ray.remote(**CONCURRENCY)(EngineReplica)
