@@ -6,7 +6,6 @@ prefix-cache reset alongside → wake → generate with the new weights; pause /
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
