@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     all_diffs: list[float] = []
     try:
         address, vocab = ray.get([trainer.address.remote(), trainer.vocab_size.remote()])
-        port, world, name = free_port(), 1 + args.replicas * fleet.tensor_parallel_size, "grpo"
+        port, world, name = free_port(), fleet.group_world_size(), "grpo"
         opened = trainer.open_group.remote(address, port, world, name)
         fleet.init_weights_update_group(address, port, 1, world, name, "nccl" if args.device == "cuda" else "gloo")
         ray.get(opened)

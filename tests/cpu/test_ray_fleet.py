@@ -36,8 +36,8 @@ def wait_for(condition, timeout: float, what: str):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-fleet")
-    return (str(make_model("tiny", root / "base", dtype="float32", progress=False)),
-            str(make_model("tiny", root / "pushed", seed=1, dtype="float32", progress=False)))
+    return tuple(str(make_model("tiny", root / name, seed=seed, dtype="float32", progress=False))
+                 for name, seed in (("base", 0), ("pushed", 1), ("later", 2)))
 
 
 @pytest.fixture(scope="module")
@@ -135,27 +135,34 @@ def test_every_fleet_wide_call(fleet, reference):
         fleet.collective_rpc("no_such_method")
 
 
-def test_weights_through_one_group_to_every_replica(fleet, reference, models):
+def push(fleet, path: str, group_name: str, keep: bool) -> list[tuple]:
+    """The checkpoint at `path` broadcast by this process (rank 0 of a new gloo group) to every replica; `keep`:
+    hand the fleet a copy for restarts (`source=`)."""
     from torpor.ray import GroupBroadcaster, spec
 
-    named = list(load_file(os.path.join(models[1], "model.safetensors")).items())
-    port = free_port()
-    trainer = GroupBroadcaster("127.0.0.1", port, world_size=3, group_name="fleet-test", timeout=60)
+    named = list(load_file(os.path.join(path, "model.safetensors")).items())
+    port, world = free_port(), fleet.group_world_size()
+    trainer = GroupBroadcaster("127.0.0.1", port, world_size=world, group_name=group_name, timeout=60)
     opened = threading.Thread(target=trainer.open)  # rank 0 hosts the store while the replicas join
     opened.start()
-    results = fleet.init_weights_update_group("127.0.0.1", port, 1, 3, "fleet-test", "gloo")
+    fleet.init_weights_update_group("127.0.0.1", port, 1, world, group_name, "gloo")
     opened.join(timeout=60)
-    assert len(results) == 2 and trainer.group is not None
+    assert trainer.group is not None
     try:
         sent = threading.Thread(target=trainer.broadcast, args=(named,))
         sent.start()  # the trainer broadcasts while every replica receives, at once
-        counts = fleet.update_weights_from_distributed(*spec(named), group_name="fleet-test",
-                                                       source=ray.put(named))
+        counts = fleet.update_weights_from_distributed(*spec(named), group_name=group_name,
+                                                       source=ray.put(named) if keep else None)
         sent.join(timeout=60)
     finally:
-        fleet.destroy_weights_update_group("fleet-test")
+        fleet.destroy_weights_update_group(group_name)
         trainer.close()
-    assert list(counts) == [len(named), len(named)]
+    assert list(counts) == [len(named)] * len(counts)
+    return named
+
+
+def test_weights_through_one_group_to_every_replica(fleet, reference, models):
+    push(fleet, models[1], "fleet-test", keep=True)
     version = fleet.weight_version
     assert [r["weight_version"] for r in fleet.stats()] == [version, version]
     before = served(fleet)
@@ -211,3 +218,38 @@ def test_replica_that_never_answers_is_named(fleet, reference):
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: fleet.stats()[0]["state"] == "serving", 20, "replica 0 did not answer again")
+
+
+def test_restart_without_kept_weights_waits_for_the_next_update(fleet, models):
+    """A replica restarted after an update whose weights the fleet did not keep never serves the checkpoint's:
+    it stays stale, a group formed before its restart refuses to run without it, and the next update (over a
+    group formed anew) brings it back."""
+    from torpor.ray import FleetError, GroupBroadcaster, spec
+
+    later = LLM(models[2], device="cpu", **ENGINE)
+    expected = tokens(later.generate(PROMPTS, GREEDY))
+    later.close()
+    named = push(fleet, models[2], "unkept", keep=False)
+    port = free_port()
+    trainer = GroupBroadcaster("127.0.0.1", port, world_size=3, group_name="before", timeout=60)
+    opened = threading.Thread(target=trainer.open)
+    opened.start()
+    fleet.init_weights_update_group("127.0.0.1", port, 1, 3, "before", "gloo")
+    opened.join(timeout=60)
+
+    os.kill(ray.get(fleet.replicas[1].info.remote())["pid"], signal.SIGKILL)
+    wait_for(lambda: fleet.stats()[1]["state"] == "stale", 60, "replica 1 did not come back stale")
+    assert "were not kept" in fleet.stats()[1]["last_error"]
+    before = served(fleet)
+    assert tokens(fleet.generate(PROMPTS, GREEDY)) == expected  # only replica 0 (the current weights) answers
+    assert served(fleet)[1] == before[1]
+    with pytest.raises(FleetError, match=r"replica 1: RuntimeError: not in weights update group 'before'"):
+        fleet.update_weights_from_distributed(*spec(named), group_name="before")  # refused before any broadcast
+    fleet.destroy_weights_update_group("before")
+    trainer.close()
+
+    push(fleet, models[2], "again", keep=False)  # the next update reaches every replica: all serve again
+    assert [r["state"] for r in fleet.stats()] == ["serving", "serving"]
+    before = served(fleet)
+    assert tokens(fleet.generate(PROMPTS, GREEDY)) == expected
+    assert served(fleet)[1] > before[1]

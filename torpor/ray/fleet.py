@@ -304,15 +304,19 @@ class RolloutFleet:
                                   group_name: str = "weight_update_group", backend: str | None = None, *,
                                   group_timeout: float = 120.0, timeout: float | None = None) -> FleetResults:
         """Every replica joins the trainer's group `group_name`: replica i's ranks at rank_offset + i·TP (the
-        trainer, rank 0, hosts the store at master_address:master_port and joins at the same time)."""
+        trainer, rank 0, hosts the store at master_address:master_port and joins at the same time). A replica that
+        failed for good is left out and the ones after it move up (size the group with `group_world_size()`)."""
         tp = self.tensor_parallel_size
         if not isinstance(rank_offset, int) or rank_offset < 1:
             raise ValueError(f"rank_offset must be an int >= 1 (rank 0 is the trainer), got {rank_offset!r}")
-        if isinstance(world_size, int) and world_size < rank_offset + len(self._replicas) * tp:
-            raise ValueError(f"world_size {world_size} cannot hold {len(self._replicas)} replica(s) of {tp} rank(s) "
-                             f"from rank_offset {rank_offset} (needs {rank_offset + len(self._replicas) * tp})")
-        args = {i: (master_address, master_port, rank_offset + i * tp, world_size, group_name, backend, group_timeout)
-                for i in range(len(self._replicas))}
+
+        def args(targets: list[int]) -> dict[int, tuple]:
+            if isinstance(world_size, int) and world_size < rank_offset + len(targets) * tp:
+                raise ValueError(f"world_size {world_size} cannot hold {len(targets)} replica(s) of {tp} rank(s) "
+                                 f"from rank_offset {rank_offset} (needs {rank_offset + len(targets) * tp})")
+            return {i: (master_address, master_port, rank_offset + k * tp, world_size, group_name, backend,
+                        group_timeout) for k, i in enumerate(targets)}
+
         results = self._fan_out("init_weights_update_group", args, timeout=timeout, strict=False)
         with self._lock:
             self._groups[group_name] = {i: self._replicas[i].incarnation for i, _ in enumerate(results)
@@ -362,6 +366,12 @@ class RolloutFleet:
     def weight_version(self) -> int | str:
         return self._version
 
+    def group_world_size(self, rank_offset: int = 1) -> int:
+        """The world size of a weights update group over every replica not failed for good: rank_offset + their
+        ranks (a restarting replica counts: `init_weights_update_group` waits for it)."""
+        with self._lock:
+            return rank_offset + sum(r.state != "failed" for r in self._replicas) * self.tensor_parallel_size
+
     def stats(self, *, timeout: float | None = None) -> list[dict]:
         """Per replica: the fleet's view (state, restarts, outstanding sequences, weight version) and the
         replica's own (`EngineActor.stats`: serving, queue, KV cache, requests served); a replica that does not
@@ -410,7 +420,8 @@ class RolloutFleet:
     # ---- fan-out ------------------------------------------------------------------------------------
     def _fan_out(self, method: str, args=(), *, timeout: float | None = None, only: set[int] | None = None,
                  strict: bool = True) -> FleetResults:
-        """`method` on every live replica at once (`args`: one tuple for all, or {replica: tuple}). Waits within
+        """`method` on every live replica at once (`args`: one tuple for all, {replica: tuple}, or a function of the
+        replicas reached, in order, giving that dict). Waits within
         the timeout for replicas that are restarting; those still not live are `excluded`. strict: raise
         FleetError if any replica failed (else the failures are on the results' `failed`)."""
         timeout = self.call_timeout if timeout is None else timeout
@@ -421,6 +432,8 @@ class RolloutFleet:
             asked = [r for r in self._replicas if only is None or r.index in only]
             targets = {r.index: r.handle for r in asked if r.state in LIVE}
             excluded = {r.index: r.describe() for r in asked if r.index not in targets}
+        if callable(args):  # built from the replicas the call reaches (their number and order)
+            args = args(sorted(targets))
         refs = {i: getattr(h, method).remote(*(args[i] if isinstance(args, dict) else args))
                 for i, h in targets.items()}
         answers, errors, _ = gather(refs, max(0.0, deadline - time.monotonic()), method,
