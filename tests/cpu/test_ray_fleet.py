@@ -253,3 +253,11 @@ def test_restart_without_kept_weights_waits_for_the_next_update(fleet, models):
     before = served(fleet)
     assert tokens(fleet.generate(PROMPTS, GREEDY)) == expected
     assert served(fleet)[1] > before[1]
+
+
+def test_importing_torpor_does_not_import_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, torpor, torpor.engine.llm, torpor.rl, torpor.server.app; assert 'ray' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -68,6 +68,8 @@ class EngineReplica:
                  wait_if_asleep: float | None = 0.0) -> None:
         if visible_devices is not None:  # before torch initializes CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(d)) for d in visible_devices)
+        # Imported here, in the actor's process, after the line above: a driver that only routes never loads the
+        # engine's modules, and CUDA starts with the visible devices set.
         import torch
 
         from torpor.engine.llm import LLM

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ray
 import torch
 from ray.util.placement_group import placement_group
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.weights.transport import UpdateGroup, broadcast, destroy_group_handle, open_update_group
@@ -200,8 +201,6 @@ def _sampling_params(value) -> SamplingParams:
 def _tensor_from_ipc(device: str, name: str, dtype, shape, ipc_handles: dict) -> torch.Tensor:
     """The trainer's tensor on this engine's GPU from OpenRLHF's `{gpu_uuid: (rebuild, args)}` handles; only
     torch's CUDA-tensor rebuild function is called (the handles crossed a process boundary)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     if not device.startswith("cuda"):
         raise ValueError("update_weight_cuda_ipc needs a CUDA engine (CPU engines take update_weight)")
     index = torch.device(device).index or 0
