@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 
 class FleetResults(list):
@@ -46,9 +46,16 @@ def describe(error: BaseException) -> str:
         if inner is not None:
             return f"{type(inner).__name__}: {inner}"
         return str(cause).strip().splitlines()[-1]
+    if isinstance(error, ActorUnavailableError):
+        return "the replica's actor is unreachable for now (ActorUnavailableError)"
     if isinstance(error, RayActorError):
         return f"the replica's actor died ({type(error).__name__})"
     return f"{type(error).__name__}: {error}"
+
+
+def is_dead(error: BaseException) -> bool:
+    """Whether `error` says the actor is gone for good (not only unreachable for now)."""
+    return isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError)
 
 
 def unwrap(error: BaseException) -> BaseException:
@@ -85,9 +92,10 @@ def gather(refs: dict[int, ray.ObjectRef], timeout_s: float, what: str,
                 results[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except RayActorError as e:
                 errors[i] = e
-                dead.append(i)
-                if on_dead is not None:
-                    on_dead(i)
+                if is_dead(e):
+                    dead.append(i)
+                    if on_dead is not None:
+                        on_dead(i)
             except GetTimeoutError:
                 errors[i] = ReplicaTimeout(f"no answer to {what} within {stated_s:g} s")
             except Exception as e:  # the replica's own error, raised there

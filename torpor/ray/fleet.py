@@ -33,7 +33,16 @@ import ray
 from ray.exceptions import RayActorError
 
 from torpor.ray.actor import EngineActor
-from torpor.ray.calls import FleetError, FleetResults, FleetTimeoutError, ReplicaTimeout, describe, gather, unwrap
+from torpor.ray.calls import (
+    FleetError,
+    FleetResults,
+    FleetTimeoutError,
+    ReplicaTimeout,
+    describe,
+    gather,
+    is_dead,
+    unwrap,
+)
 from torpor.ray.placement import Slot, caller_slots, own_slots, release
 from torpor.ray.replica import LIVE, HealthMonitor, Replica
 from torpor.ray.routing import Unit, prompt_list, units_of
@@ -169,8 +178,11 @@ class RolloutFleet:
                 replica, batch = pending.pop(ref)
                 try:
                     answers = ray.get(ref)
-                except RayActorError:
-                    self._on_dead(replica)
+                except RayActorError as e:  # its prompts go to the others; a dead replica is restarted
+                    if is_dead(e):
+                        self._on_dead(replica)
+                    else:
+                        self._mark_unresponsive(replica, describe(e))
                     self._dispatch(batch, pending, deadline, avoid={replica.index})
                     continue
                 except Exception as e:
@@ -233,6 +245,12 @@ class RolloutFleet:
     def _answered(self, replica: Replica, weight: int) -> None:
         with self._lock:
             replica.outstanding = max(0, replica.outstanding - weight)
+
+    def _mark_unresponsive(self, replica: Replica, why: str) -> None:
+        with self._lock:
+            if replica.state == "serving":
+                replica.state, replica.last_error = "unresponsive", why  # the health monitor revives it
+                self._notify()
 
     def _reroute_unresponsive(self, pending: dict, deadline: float) -> None:
         """Send again, elsewhere, what waits on a replica the health monitor found unresponsive."""

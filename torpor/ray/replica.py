@@ -18,6 +18,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
+from torpor.ray.calls import is_dead
 from torpor.ray.placement import Slot
 
 LIVE = ("serving", "stale", "unresponsive")  # states whose actor runs: control calls go to them
@@ -89,8 +90,9 @@ class HealthMonitor:
                 del self._pings[replica.index]
                 try:
                     ray.get(ref)
-                except RayActorError:
-                    self.on_dead(replica)
+                except RayActorError as e:
+                    if is_dead(e):
+                        self.on_dead(replica)
                     continue
                 except Exception:
                     continue
