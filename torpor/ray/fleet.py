@@ -73,13 +73,16 @@ class RolloutFleet:
     replica's bundle(s) in it (see placement.py); None: the fleet makes one `STRICT_PACK` group per replica.
     `engine_kwargs`: `LLM`'s keyword arguments for every replica (dtype, max_model_len, num_kv_blocks, ...).
     Timeouts (seconds): `call_timeout` for control calls, `generate_timeout` for `generate`, `start_timeout` for a
-    replica to start; every call also takes its own `timeout=`."""
+    replica to start; every call also takes its own `timeout=`. `health_interval`: seconds between liveness pings
+    of each replica (None: 0.5 s, longer past 100 replicas so the driver sends at most 200 pings a second; a death
+    fails the replica's calls in flight at once anyway); `hang_timeout`: a ping unanswered this long marks the
+    replica unresponsive."""
 
     def __init__(self, model: str | None = None, *, num_replicas: int, tensor_parallel_size: int = 1,
                  device: str = "auto", placement_group=None, bundle_indices=None, engine_kwargs: dict | None = None,
                  max_restarts: int = 3, gpu_fraction: float | None = None, num_cpus_per_replica: float = 1,
                  call_timeout: float = 120.0, generate_timeout: float = 600.0, start_timeout: float = 300.0,
-                 health_interval: float = 0.5, hang_timeout: float = 10.0) -> None:
+                 health_interval: float | None = None, hang_timeout: float = 10.0) -> None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -122,6 +125,8 @@ class RolloutFleet:
         except BaseException:
             self._teardown()
             raise
+        if health_interval is None:
+            health_interval = max(0.5, num_replicas / 200)
         self._monitor = HealthMonitor(self._replicas, self._lock, self._on_dead, self._notify, health_interval,
                                       hang_timeout)
 
@@ -393,11 +398,11 @@ class RolloutFleet:
     def stats(self, *, timeout: float | None = None) -> list[dict]:
         """Per replica: the fleet's view (state, restarts, outstanding sequences, weight version) and the
         replica's own (`EngineActor.stats`: serving, queue, KV cache, requests served); a replica that does not
-        answer within `timeout` has "error" instead."""
+        answer within `timeout` (default: `call_timeout`, at most 5 s) has "error" instead."""
         with self._lock:
             live = {r.index: r.handle for r in self._replicas if r.state in LIVE}
         refs = {i: h.stats.remote() for i, h in live.items()}
-        answers, errors, _ = gather(refs, self.call_timeout if timeout is None else timeout, "stats")
+        answers, errors, _ = gather(refs, min(self.call_timeout, 5.0) if timeout is None else timeout, "stats")
         rows = []
         with self._lock:
             for r in self._replicas:
