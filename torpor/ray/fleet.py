@@ -308,8 +308,10 @@ class RolloutFleet:
         """`LLM.update_weights_from_tensor` on every replica. `serialized_named_tensors`: one list of per-rank
         payloads for every replica (CPU shared memory, or one GPU they all share), or a list of such lists, one
         per replica (CUDA IPC from the trainer worker on each replica's own GPU). `named_tensors`: tensors by
-        value (through Ray's object store). `source`: the same weights again for a restarted replica (an
-        ObjectRef of `[(name, tensor)]` or a `{name: tensor}` dict; `named_tensors` themselves when given)."""
+        value (through Ray's object store). `source`: all of this version's weights again, for a restarted replica
+        (an ObjectRef of `[(name, tensor)]` or a `{name: tensor}` dict); give it with any one call of a push made
+        of several calls (buckets) with the same `weight_version`. `named_tensors` are not kept on their own: they
+        may be one bucket of several."""
         per_replica = serialized_named_tensors is not None and bool(serialized_named_tensors) and all(
             isinstance(p, list | tuple) for p in serialized_named_tensors)
         if per_replica and len(serialized_named_tensors) != len(self._replicas):
@@ -320,8 +322,7 @@ class RolloutFleet:
         args = {i: (named_tensors, load_format, flush_cache,
                     list(serialized_named_tensors[i]) if per_replica else serialized_named_tensors)
                 for i in range(len(self._replicas))}
-        kept = source if source is not None else named_tensors if load_format is None else None
-        return self._update("update_weights_from_tensor", args, weight_version, WeightSource(tensors=kept), timeout)
+        return self._update("update_weights_from_tensor", args, weight_version, WeightSource(tensors=source), timeout)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str | None = None, *,
@@ -484,7 +485,9 @@ class RolloutFleet:
         took = [i for i in range(len(self._replicas)) if i not in failed and i not in results.excluded]
         with self._lock:
             if took:
-                self._version, self._source = version, source
+                if source.kept or version != self._version:  # a push in several calls: its source given once
+                    self._source = source
+                self._version = version
                 for i in took:
                     self._replicas[i].weight_version = version
                     self._replicas[i].handle.set_weight_version.remote(version)
