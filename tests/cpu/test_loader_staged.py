@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import torpor.engine.distributed as distributed
 from torpor.engine.attention.torch_backend import TorchAttentionBackend
+from torpor.engine.distributed import TPGroup
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import iter_checkpoint, load_weights, load_weights_reference, plan_checkpoint
@@ -84,19 +84,18 @@ def test_the_cuda_default_is_the_sweeps_best_set():
     assert staging.threads == min(32, os.cpu_count() or 1) and staging.kind == "pinned"
 
 
-def test_tensor_parallel_ranks_read_their_slices(checkpoints, monkeypatch):
+def test_tensor_parallel_ranks_read_their_slices(checkpoints):
     """Each rank's parameters equal the plain loader's at that rank; row slices read only their bytes."""
     path = checkpoints["llama"]
     full = new_model(path)
     load_weights_reference(full, path)
     total = sum(e.nbytes for e in plan_checkpoint(full, path)[0])
     for rank in (0, 1):
-        monkeypatch.setattr(distributed, "_rank", rank)
-        monkeypatch.setattr(distributed, "_size", 2)
-        reference, staged = garbage_model(path, torch.float32), garbage_model(path, torch.float32)
-        load_weights_reference(reference, path)
-        entries, copies = plan_checkpoint(staged, path)
-        read = copy_planned(entries, copies, StagingBuffers("cpu", buffer_bytes=4096, count=2))
+        with TPGroup(rank, 2).active():  # the layers and loaders shard as this rank of two
+            reference, staged = garbage_model(path, torch.float32), garbage_model(path, torch.float32)
+            load_weights_reference(reference, path)
+            entries, copies = plan_checkpoint(staged, path)
+            read = copy_planned(entries, copies, StagingBuffers("cpu", buffer_bytes=4096, count=2))
         assert_same(staged, reference)
         assert read < 0.75 * total  # column-sharded tensors: half their bytes
         qkv = staged.model.layers[1].self_attn.qkv_proj.weight

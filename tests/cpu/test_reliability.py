@@ -111,7 +111,7 @@ def test_a_push_that_stops_midway_is_never_served_as_a_mix(server, new_weights_p
         assert server.admin.post("/wake_up", params={"tags": "weights"}).status_code == 200
     buckets = _buckets(new_weights_path)
     for i, bucket in enumerate(buckets[:3]):  # 3 of n, then the trainer goes quiet
-        assert _post(server, bucket, "stops", i).status_code == 200
+        assert _post(server, bucket, f"stops-{clean}", i).status_code == 200
     assert not _health(server)["serving"]  # nothing runs while the push is in progress
     server.admin.post("/wake_up")
     wait_for(lambda: server.llm.engine.lifecycle.updating is None, 10 * IDLE_S, "the push to be given up")

@@ -169,18 +169,22 @@ def test_add_rejects_bad_requests():
         Scheduler(EngineConfig(model="m"))
 
 
-def test_pause_resume_and_reset_blocks():
+def test_the_lifecycle_pauses_it_and_reset_blocks_recomputes():
     sched = make_scheduler()
+    lifecycle = sched.lifecycle
     a = make_seq("a", max_tokens=5)
     sched.add(a)
     step(sched)
-    sched.pause()
+    lifecycle.pause("all")
     sched.add(make_seq("b", max_tokens=3))    # requests still queue while paused
-    assert sched.schedule() == ([], False)
+    assert sched.schedule() == ([], False) and not sched.has_runnable()
+    lifecycle.resume()
+    lifecycle.pause("new")                    # the running one goes on, the new one waits
+    assert step(sched)[:2] == (["a"], False) and sched.has_runnable()
+    lifecycle.resume()
     sched.reset_blocks()                      # KV cache discarded while asleep
     assert a.status is SequenceStatus.WAITING and a.num_cached_tokens == 0
     assert sched.block_manager.num_free_blocks == 64
-    sched.resume()
     assert step(sched)[:2] == (["a", "b"], True)   # a recomputes prompt + its output so far
     run(sched)
     assert a.num_output_tokens == 5 and a.finish_reason == "length"

@@ -9,7 +9,7 @@ import torch
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.lifecycle import Lifecycle
 from torpor.engine.weights.loader import iter_checkpoint
-from torpor.memory import CheckpointError, CheckpointUnsupportedError, MemoryManager
+from torpor.memory import CheckpointError, CheckpointUnsupportedError
 from torpor.testing.harness import differences, fixed_requests, run_round
 
 

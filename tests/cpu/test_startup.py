@@ -17,7 +17,7 @@ from torpor.lazy import collector_paused
 # downloads, torch.compile's machinery, the plain loader's safetensors reader, the checkpoint generator).
 NOT_AT_START = ("torch._dynamo", "torch._inductor", "sympy", "transformers", "jinja2", "huggingface_hub", "rich",
                 "fastapi", "pydantic", "uvicorn", "safetensors", "triton", "torpor.server", "torpor.synthetic",
-                "torpor.engine.weights.receiver", "torpor.testing.harness")
+                "torpor.testing.harness")
 
 
 def test_the_collector_is_paused_inside_and_restored_after():

@@ -36,6 +36,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
 ADMIN = "admin-secret"
 SMALL = 40_000  # bytes per bucket: the tiny model in ~10 requests
+IDLE_S = 1.0  # a push that sends nothing for this long is given up
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -48,7 +49,7 @@ def new_weights_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
     llm = LLM(tiny_model_path, **ENGINE)
-    config = ServerConfig("tiny", admin_token=ADMIN, max_body_bytes=1 << 20)
+    config = ServerConfig("tiny", admin_token=ADMIN, max_body_bytes=1 << 20, push_idle_timeout_s=IDLE_S)
     app = build_app(llm.engine, config)
     with ServerThread(app) as url:
         admin = httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {ADMIN}"})
@@ -87,8 +88,11 @@ def _weights(server) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in server.llm.engine.executor.driver.runner.model.named_parameters()}
 
 
-def _post(server, payload: dict, push_id: str | None, index: int, flush: bool = False) -> httpx.Response:
+def _post(server, payload: dict, push_id: str | None, index: int, flush: bool = False,
+          last: bool = False) -> httpx.Response:
     headers = {} if push_id is None else {"X-Torpor-Push-Id": push_id, "X-Torpor-Push-Index": str(index)}
+    if last:
+        headers["X-Torpor-Push-Last"] = "1"
     return server.admin.post("/update_weights_from_tensor", headers=headers, json={
         "serialized_named_tensors": [serialize(payload)], "load_format": "flattened_bucket", "flush_cache": flush})
 
@@ -115,7 +119,7 @@ def test_requests_of_one_push_apply_in_index_order(server, new_weights_path, old
     norm = dict(iter_checkpoint(new_weights_path))[name]
     first, second = (bucket_named_tensors([(name, norm * k)], 1 << 20).__next__() for k in (2.0, 3.0))
     with ThreadPoolExecutor(1) as pool:
-        late = pool.submit(_post, server, second.payload(), "order", 1)
+        late = pool.submit(_post, server, second.payload(), "order", 1, last=True)
         time.sleep(0.3)
         assert not late.done()  # waiting for request 0
         assert _post(server, first.payload(), "order", 0).status_code == 200
@@ -171,8 +175,7 @@ def test_a_push_through_reused_buffers_maps_each_once_and_keeps_nothing_after_it
 def test_kept_mappings_go_with_a_sleep_and_with_a_push_that_stops(server, new_weights_path, monkeypatch,
                                                                   old_weights):
     """A push that keeps its buffers mapped and then sends nothing more (its trainer died) keeps nothing after
-    KEPT_IDLE_S; a sleep of the weights releases the mappings at once."""
-    monkeypatch.setattr(weight_pipeline, "KEPT_IDLE_S", 0.5)
+    the idle timeout; a sleep of the weights releases the mappings at once."""
     receiver = server.llm.engine.weights
     buckets = _buckets(new_weights_path)
     for push_id in ("stops", "sleeps"):
@@ -222,6 +225,9 @@ def test_nothing_after_a_failed_request_is_written(server, tiny_model_path, new_
     assert answers[failing].status_code == 400, answers[failing].text
     for later in answers[failing + 1:]:
         assert later.status_code == 409 and f"request {failing} of this push failed" in later.text, later.text
+    # Never a mix served: the requests before the failed one wrote their tensors (no current host copy to undo them
+    # with), so the engine does not serve until a complete update; with none before it, nothing happened.
+    assert server.admin.get("/health").json()["serving"] == (failing == 0)
     reference = LLM(tiny_model_path, **ENGINE)  # the old weights with the requests before the failed one
     for bucket in _buckets(new_weights_path)[:failing]:
         reference.update_weights_from_tensor(bucket.payload(), load_format="flattened_bucket")
@@ -258,7 +264,7 @@ def test_requests_queued_behind_a_failing_copy_write_nothing(server, tiny_model_
 
 async def _hold(engine, release: threading.Event) -> None:
     """Keep the engine thread busy until `release` is set."""
-    await engine.call(release.wait, 60)
+    await engine.submit(release.wait, 60)
 
 
 def test_a_failed_push_after_a_level_2_sleep_never_serves_and_the_next_push_lands(server, new_weights_path, expected,
@@ -353,7 +359,11 @@ def _run_off_thread(fn, *args):
 def _on_engine_thread(server, fn, *args):
     """`fn(*args)` as a command of the server's engine thread (as the pipeline runs it)."""
     engine = server.state.engine
-    return asyncio.run_coroutine_threadsafe(engine.call(fn, *args), engine._loop).result(60)
+    return asyncio.run_coroutine_threadsafe(_submitted(engine, fn, *args), engine._loop).result(60)
+
+
+async def _submitted(engine, fn, *args):
+    return await engine.submit(fn, *args)
 
 
 def _counting(pusher: WeightPusher) -> list:

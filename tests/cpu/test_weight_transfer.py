@@ -22,11 +22,11 @@ import torch
 from server_thread import ServerThread
 
 from torpor.engine import LLM, SamplingParams
+from torpor.engine.executor import RankError
 from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.engine.weights.payload import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
 from torpor.engine.weights.transport import await_work
-from torpor.engine.executor import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.rl.engine_process import free_port
 from torpor.server import ServerConfig, build_app

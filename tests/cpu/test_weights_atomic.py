@@ -53,10 +53,11 @@ BAD_CHECKPOINTS = {
 def test_bad_reload_leaves_the_weights_untouched(llm, reference, tiny_model_path, tmp_path, case):
     change, message = BAD_CHECKPOINTS[case]
     path = scaled_checkpoint(tiny_model_path, tmp_path / "bad", change)
-    before = [p.clone() for p in llm.engine.executor.driver.runner.model.parameters()]
+    model = llm.engine.executor.driver.runner.model
+    before = [p.clone() for p in model.parameters()]
     with pytest.raises(CheckpointError, match=message):
         llm.reload_weights(path)
-    assert all(torch.equal(a, p) for a, p in zip(before, llm.engine.executor.driver.runner.model.parameters(), strict=True))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert outputs(llm) == reference
 
 
@@ -72,10 +73,10 @@ def test_bad_update_list_writes_nothing(llm, reference):
     good = dict(iter_checkpoint(llm.config.model))
     halved = good["model.norm.weight"] * 0.5
     for bad, message in [
-        (("model.embed_tokens.weight", torch.ones(3, 3)), "shape mismatch"),
+        (("model.embed_tokens.weight", torch.ones(3, 3)), "has shape"),
         (("model.embed_tokens.weight", torch.full_like(good["model.embed_tokens.weight"], float("inf"))),
          "non-finite"),
-        (("model.nothing.weight", torch.ones(3)), "matches no parameter"),
+        (("model.nothing.weight", torch.ones(3)), "unknown tensor 'model.nothing.weight'"),
     ]:
         with pytest.raises(ValueError, match=message):
             llm.update_weights([("model.norm.weight", halved), bad])
@@ -94,8 +95,8 @@ def test_stream_failing_midway_stops_serving_until_a_reload(llm, reference):
     with pytest.raises(RuntimeError, match="reload_weights"):  # at once: no hang, no mixed answers
         llm.generate(PROMPTS, GREEDY)
     assert llm.memory_usage()["weights_discarded"]
-    with pytest.raises(CheckpointError, match="missing"):  # after a mix only a complete update will do
-        llm.update_weights(iter([good[0]]))
+    llm.update_weights(iter([good[0]]))  # after a mix only a complete update (or a reload) will do
+    assert not llm.state.serving and len(llm.state.missing_weights) == len(good) - 1
     llm.reload_weights()
     assert outputs(llm) == reference
 

@@ -21,7 +21,6 @@ from server_thread import ServerThread  # noqa: E402
 from trainer_process import start_trainer, stderr_of, tiny_checkpoints  # noqa: E402
 
 from torpor.engine import LLM, SamplingParams  # noqa: E402
-
 from torpor.server import ServerConfig, build_app  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, block_size=16, num_kv_blocks=64)

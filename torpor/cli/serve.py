@@ -49,14 +49,21 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
                             "so the first sleep runs at link speed (holds host memory of the weights' size)", ()),
     "tensor_parallel_size": ("split the model over N processes, one device each. On GPU, rank r uses the device r "
                              "places after --device (cuda:0..cuda:N-1 by default; CUDA_VISIBLE_DEVICES chooses "
-                             "them), over NCCL (TORPOR_TP_COMM=torpor: torpor's exchange buffer); on CPU, N "
+                             "them), over NCCL (or --tp-comm torpor: torpor's exchange buffer); on CPU, N "
                              "processes over gloo. Heads, kv heads, intermediate size and vocabulary must divide "
                              "by N. Sleep, wake and weight updates reach every rank",
                              ("--tp",)),
     "tp_timeout_s": ("tensor parallel: seconds after which a silent worker counts as hung", ()),
     "seed": ("seeds requests that give no seed", ()),
+    "gemm": ("the model's GEMMs on CUDA: cublaslt (no PyTorch cuBLAS handle, which keeps 66 MiB while asleep) or "
+             "torch (F.linear)", ()),
+    "tp_comm": ("tensor parallelism's collectives on CUDA: nccl, or torpor (a symmetric buffer that sleeps with the "
+                "engine; NCCL's communicator keeps ~1 GiB per GPU while asleep)", ()),
+    "load_threads": ("reader threads of the weight loader (0: one per core, half of them beside the start-up)", ()),
+    "kv_profile_cache": ("read back the KV-cache sizing's activation peak measured by an earlier start-up with the "
+                         "same model, options, code and GPU", ()),
 }
-NOT_FLAGS = frozenset({"model", "num_kv_blocks", "untagged_phases"})  # the positional / profiled / measurement
+NOT_FLAGS = frozenset({"model", "num_kv_blocks"})  # the positional, the profiled
 _DEFAULT_OVERRIDES = {"max_model_len": None}  # None: LLM derives it from the model
 
 

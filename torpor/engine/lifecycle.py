@@ -88,8 +88,9 @@ class SleepPlan:
 
     @property
     def drops_weights(self) -> bool:
-        """The weights' device bytes (or, already asleep, their host copy) go: nothing of them can be read."""
-        return self.actions.get("weights") == "discard" or self.release_context
+        """The weights' device memory (or, already asleep, their host copy) or the CUDA context goes: no trainer's
+        payload may stay opened for a copy into them."""
+        return "weights" in self.actions or self.release_context
 
 
 @dataclass(frozen=True)

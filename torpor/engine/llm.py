@@ -263,6 +263,10 @@ class LLM:
         if isinstance(method, str) and method in rpc.METHODS:
             result = rpc.call(self, method, args, kwargs)
             return [result] * self.config.tensor_parallel_size
+        if isinstance(method, str) and not callable(getattr(self.engine.executor.driver, method, None)):
+            raise rpc.RPCArgumentError(f"unknown collective_rpc method {method!r}; supported: the engine's "
+                                       f"{sorted(rpc.METHODS)} and the Worker's methods (a worker extension adds "
+                                       "some: worker_extension_cls)", "method")
         with self._driving():
             return self.engine.collective_rpc(method, tuple(args), kwargs, timeout)
 

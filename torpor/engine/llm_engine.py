@@ -119,7 +119,10 @@ class LLMEngine:
         tags = memory.tags() if memory is not None else []
         self.lifecycle = Lifecycle(tags, weight_names(manifest, ignored))
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids, self.lifecycle)
-        self.weights = WeightReceiver(self.executor, self.lifecycle, manifest, ignored, self.reset_prefix_cache)
+        # (the block manager's own reset: a bound method of the engine would make a reference cycle, and a dropped
+        # engine would then give its memory back only at the next garbage collection)
+        self.weights = WeightReceiver(self.executor, self.lifecycle, manifest, ignored,
+                                      self.scheduler.block_manager.reset_prefix_cache)
         self._pending: list[RequestOutput] = []  # produced outside `step` (drained or aborted by a sleep)
         self._requests: dict[str, _Request] = {}
         self._request_ids = itertools.count()

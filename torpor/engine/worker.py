@@ -153,8 +153,8 @@ class Worker:
         """Receive the trainer's broadcasts on a thread of this rank's own (`wait_receive` ends it)."""
         self.updates.start_receive(group_name, specs_of(names, dtypes, shapes))
 
-    def wait_receive(self, group_name: str, timeout_s: float) -> int:
-        return self.updates.wait_receive(group_name, timeout_s)
+    def wait_receive(self, group_name: str, timeout_s: float, waited_s: float | None = None) -> int:
+        return self.updates.wait_receive(group_name, timeout_s, waited_s)
 
     def receive_done(self, group_name: str) -> bool:
         return self.updates.receive_done(group_name)

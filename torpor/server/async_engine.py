@@ -249,7 +249,7 @@ class AsyncEngine:
             deadline = time.monotonic() + timeout
             while not await self._call(weights.receive_done, group_name):
                 if time.monotonic() > deadline:
-                    await self._call(weights.wait_receive, group_name, 0.0)  # gives the group up, raises
+                    await self._call(weights.wait_receive, group_name, 0.0, timeout)  # gives the group up, raises
                 await asyncio.sleep(RECEIVE_POLL_S)
             count = await self._call(weights.apply_received, names, group_name, flush_cache)
         except Exception as exc:

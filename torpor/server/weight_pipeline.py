@@ -115,6 +115,10 @@ class WeightPipeline:
         self._pushes: OrderedDict[str, PushOrder] = OrderedDict()
         self._active = 0  # requests between their arrival and their answer
         self._forget_timers: dict[str, asyncio.TimerHandle] = {}  # a push's kept mappings, released when idle
+        # One weight update at a time: the push (or headerless request) holding the engine's update; the first request
+        # of another waits here until it ends (its last request, its failure, or its idle timeout).
+        self._holder: object | None = None
+        self._slot = asyncio.Condition()
 
     def close(self) -> None:
         self._stager.shutdown(wait=False, cancel_futures=True)
@@ -128,8 +132,9 @@ class WeightPipeline:
         engine thread (nothing to overlap with: a thread hop less); one that finds another is staged."""
         self._active += 1
         failed = False
+        owner = object() if push is None else push.push_id
         try:
-            return await self._update(serialized, load_format, flush_cache, push)
+            return await self._update(serialized, load_format, flush_cache, push, owner)
         except BaseException as exc:
             order = None if push is None else self._pushes.get(push.push_id)
             if order is not None and order.failed_at is not None:  # the push failed: it ends now, as a failure
@@ -138,11 +143,29 @@ class WeightPipeline:
             raise
         finally:
             self._active -= 1
+            if push is None or push.last or failed:
+                await self._release(owner)
             if push is not None and not failed:
                 self._forget_when_idle(push)
 
+    async def _acquire(self, owner: object) -> None:
+        """Wait (at most TURN_TIMEOUT_S) until no other update is in progress, then hold the engine's update."""
+        async with self._slot:
+            try:
+                await asyncio.wait_for(self._slot.wait_for(lambda: self._holder in (None, owner)), TURN_TIMEOUT_S)
+            except TimeoutError:
+                raise RuntimeError(f"another weight update ({self._holder!r}) was still in progress after "
+                                   f"{TURN_TIMEOUT_S:g} s; nothing was written") from None
+            self._holder = owner
+
+    async def _release(self, owner: object) -> None:
+        async with self._slot:
+            if self._holder == owner:
+                self._holder = None
+                self._slot.notify_all()
+
     async def _update(self, serialized: Any, load_format: str | None, flush_cache: bool,
-                      push: PushPosition | None) -> tuple[int, dict[str, float]]:
+                      push: PushPosition | None, owner: object) -> tuple[int, dict[str, float]]:
         if not isinstance(flush_cache, bool):
             raise ValueError(f"flush_cache must be true or false, got {flush_cache!r}")
         order = self._order(push)
@@ -154,9 +177,10 @@ class WeightPipeline:
             await self._skip_turn(order, index)
             raise RuntimeError(refusal)
         if not self._stageable(serialized):
-            return await self._in_turn(order, index, self._unstaged, serialized, load_format, flush_cache, push)
+            return await self._in_turn(order, index, owner, self._unstaged, serialized, load_format, flush_cache, push)
         staged = await self._stage(order, index, serialized, load_format)
-        count, timings = await self._in_turn(order, index, self._apply, staged, flush_cache, push, staged=staged)
+        count, timings = await self._in_turn(order, index, owner, self._apply, staged, flush_cache, push,
+                                             staged=staged)
         return count, _merged(staged.timings, timings)
 
     def _order(self, push: PushPosition | None) -> PushOrder | None:
@@ -183,6 +207,8 @@ class WeightPipeline:
             timer.cancel()
         if self.engine.alive:
             self.engine.submit(self.engine.end_push, push_id, reason)
+        if reason is not None:  # given up: the next update may go
+            asyncio.get_running_loop().create_task(self._release(push_id))
 
     def _forget_when_idle(self, push: PushPosition) -> None:
         """A push that sends nothing for `idle_timeout_s` (its trainer died, or stalled) keeps nothing open and, if
@@ -210,9 +236,10 @@ class WeightPipeline:
                 await self._skip_turn(order, index)
             raise
 
-    async def _in_turn(self, order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any,
+    async def _in_turn(self, order: PushOrder | None, index: int, owner: object, fn: Callable[..., int], *args: Any,
                        staged: StagedUpdate | None = None) -> tuple[int, dict[str, float]]:
-        """Queue `fn(order, index, *args)` for the engine thread once it is this request's turn; its result."""
+        """Queue `fn(order, index, *args)` for the engine thread once it is this request's turn (its push's, and for
+        a push's first request, or a request without one, once no other update is in progress); its result."""
         if order is not None:
             try:
                 await order.wait_turn(index, TURN_TIMEOUT_S)
@@ -225,6 +252,16 @@ class WeightPipeline:
                 order.fail(index, reason)
                 await order.pass_turn(index)
                 raise RuntimeError(reason) from None
+        if index == 0:
+            try:
+                await self._acquire(owner)
+            except RuntimeError as exc:
+                if staged is not None:
+                    self.engine.submit(self.engine.discard_staged, staged)
+                if order is not None:
+                    order.fail(index, str(exc))
+                    await order.pass_turn(index)
+                raise
         try:
             future = self.engine.submit(_timed, fn, order, index, *args)
         finally:

@@ -143,7 +143,7 @@ class MultiprocExecutor(Executor):
                                            self.driver.execute_model, (seqs, is_prefill), {}, None, "a step",
                                            failed_here_wait_s=STEP_FAILURE_WAIT_S)
         if errors:
-            self._break(f"a step failed on rank {min(errors)}: {errors[min(errors)]}")
+            _break(self._state, f"a step failed on rank {min(errors)}: {errors[min(errors)]}")
             raise errors[min(errors)]
         return results[0]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from torpor.engine.models.layers.loading import LOADABLE_DTYPES
-from torpor.engine.weights.index import checkpoint_files
+from torpor.engine.weights.index import read_headers
 
 
 # ---- checks against the engine's checkpoint ---------------------------------------------------------
@@ -22,15 +22,8 @@ class Manifest:
 
     @classmethod
     def of_checkpoint(cls, path: str) -> Manifest:
-        from safetensors import safe_open
-
-
-        shapes = {}
-        for file in checkpoint_files(path):
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        return cls(shapes)
+        """From the safetensors headers of the checkpoint folder `path` (no tensor data is read)."""
+        return cls({entry.name: entry.shape for entry in read_headers(path)})
 
     @functools.cached_property
     def max_bytes(self) -> int:

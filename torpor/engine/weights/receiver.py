@@ -353,8 +353,9 @@ class WeightReceiver:
     def _release(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """After a copy: the request's references to the trainer's memory go — all but the storages a `keeping`
         block keeps for the push's next requests."""
-        with phase("release"):
+        with phase("sync"):
             self.executor.driver.synchronize()  # the copies done before the trainer may reuse its memory
+        with phase("release"):
             if self._keeping is not None:
                 for _, tensor in pairs:
                     storage = tensor.untyped_storage()
@@ -471,9 +472,10 @@ class WeightReceiver:
             self.executor.collective_rpc("drop_staged", (group_name, True))
             raise
 
-    def wait_receive(self, group_name: str, timeout_s: float) -> None:
+    def wait_receive(self, group_name: str, timeout_s: float, waited_s: float | None = None) -> None:
+        """Wait (at most `timeout_s`) for every rank's receive; one still running then gives the group up."""
         try:
-            self.executor.collective_rpc("wait_receive", (group_name, timeout_s))
+            self.executor.collective_rpc("wait_receive", (group_name, timeout_s, waited_s))
         except BaseException:
             self._receiving.discard(group_name)
             self.executor.collective_rpc("drop_staged", (group_name, True))

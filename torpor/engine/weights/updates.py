@@ -179,9 +179,10 @@ class RankUpdates:
         self.wait_receive(group_name, 0.0)
         return True
 
-    def wait_receive(self, group_name: str, timeout_s: float) -> int:
+    def wait_receive(self, group_name: str, timeout_s: float, waited_s: float | None = None) -> int:
         """Wait (at most `timeout_s`) for `start_receive`'s tensors; their count. A receive still running at the
-        deadline destroys the group (its collective then ends) and raises WeightTransferError."""
+        deadline destroys the group (its collective then ends) and raises WeightTransferError (saying it waited
+        `waited_s`, default `timeout_s`: a caller that polled `receive_done` waits 0 at its deadline)."""
         thread = self._receiving.get(group_name)
         if thread is None:
             raise ValueError(f"weights update group {group_name!r} is not receiving")
@@ -191,8 +192,9 @@ class RankUpdates:
             thread.join(5.0)
             self._receiving.pop(group_name, None)
             self._errors.pop(group_name, None)
+            waited = timeout_s if waited_s is None else waited_s
             raise WeightTransferError(f"weights update group {group_name!r}: the trainer's broadcasts did not arrive "
-                                      f"within {timeout_s:g} s; nothing was written, the previous weights stay; the "
+                                      f"within {waited:g} s; nothing was written, the previous weights stay; the "
                                       "group is destroyed")
         self._receiving.pop(group_name)
         error = self._errors.pop(group_name, None)
