@@ -152,6 +152,10 @@ class LLMEngine:
             params.check_vocab(self.vocab_size)
         except OutOfVocabulary as exc:
             raise RequestError(str(exc), exc.field) from None
+        if params.return_routed_experts and not self.model_runner.model_config.is_moe:
+            raise RequestError(f"return_routed_experts needs a mixture-of-experts model; "
+                               f"{self.model_runner.model_config.architecture} has no routed experts",
+                               "return_routed_experts")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         token_ids, text = self._prompt_tokens(prompt)
@@ -254,7 +258,7 @@ class LLMEngine:
         if not seqs:
             return outputs
         output = self.model_runner.run(seqs, is_prefill)
-        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs)
+        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs, output.routed_experts)
         return outputs + self._outputs(seqs)
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
