@@ -55,6 +55,9 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
                              ("--tp",)),
     "tp_timeout_s": ("tensor parallel: seconds after which a silent worker counts as hung", ()),
     "seed": ("seeds requests that give no seed", ()),
+    "load_format": ("auto: the weights from the checkpoint; dummy: drawn on the device from --seed, no weights read "
+                    "(benchmarks; the folder needs config.json and the tokenizer: torpor make-model --config-only)",
+                    ()),
 }
 NOT_FLAGS = frozenset({"model", "num_kv_blocks", "untagged_phases"})  # the positional / profiled / measurement
 _DEFAULT_OVERRIDES = {"max_model_len": None}  # None: LLM derives it from the model
@@ -105,7 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_engine_flags(group) -> None:
     """One flag per ENGINE_FLAGS field of EngineConfig (the fields this torpor has), typed from the field."""
-    from torpor.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, EngineConfig
+    from torpor.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, LOAD_FORMATS, EngineConfig
 
     for field in dataclasses.fields(EngineConfig):
         if field.name not in ENGINE_FLAGS:
@@ -120,6 +123,8 @@ def add_engine_flags(group) -> None:
         options: dict = {"type": _FIELD_TYPES[field.type], "metavar": field.name.upper()}
         if field.name == "dtype":
             options = {"choices": (*DTYPE_CHOICES, *DTYPE_ALIASES)}
+        elif field.name == "load_format":
+            options = {"choices": LOAD_FORMATS}
         shown = "" if default is None or "default:" in help_text else f" (default: {default})"
         group.add_argument(*names, dest=field.name, default=default, help=help_text + shown, **options)
 

@@ -50,6 +50,7 @@ from torpor.engine.routing_recorder import RoutingRecorder
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
 from torpor.engine.weights.background_load import BackgroundLoad
+from torpor.engine.weights.dummy import init_dummy_weights
 from torpor.engine.weights.index import CheckpointError, checkpoint_bytes
 from torpor.engine.weights.loader import check_update, load_named_tensors, load_weights
 from torpor.engine.weights.staging import StagingBuffers
@@ -128,7 +129,11 @@ class ModelRunner:
         # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
         # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.
         self.pad_decode_batches = on_gpu
-        if Env.read().overlap_load:
+        if config.load_format == "dummy":  # no checkpoint: drawn in place (weights/dummy.py)
+            with timed_phase("weight_init"):
+                init_dummy_weights(self.model, config.seed)
+            self._size_and_allocate(config, capture_error_mode="global")
+        elif Env.read().overlap_load:
             self._start_beside_load(config)
         else:
             # Outside the tag, as every reload: the load writes into the parameters and allocates only
@@ -250,9 +255,13 @@ class ModelRunner:
     def reload_weights(self, path: str) -> None:
         """The checkpoint at `path` into the existing parameters (same addresses: graphs stay valid), by
         the staged loader. Every header is checked first: a bad checkpoint raises CheckpointError and
-        leaves the weights as they were; a failure after writing began sets `weights_valid` False."""
+        leaves the weights as they were; a failure after writing began sets `weights_valid` False. With
+        `load_format="dummy"` the model folder's weights are drawn again: the same values as at start-up."""
         with self.engine_stream.scope(), self._writing_weights():
-            load_weights(self.model, path, self.staging)
+            if self.config.load_format == "dummy" and path == self.config.model:
+                init_dummy_weights(self.model, self.config.seed)
+            else:
+                load_weights(self.model, path, self.staging)
 
     def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True,
                        staged: bool = False) -> int:
