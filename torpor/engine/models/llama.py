@@ -120,7 +120,7 @@ class LlamaModel(nn.Module):
 
 
 # a checkpoint's per-expert tensor: model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight
-_EXPERT_WEIGHT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_WEIGHT = re.compile(r"^(.+\.mlp\.experts)\.(0|[1-9]\d*)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class LlamaForCausalLM(nn.Module):
