@@ -242,17 +242,28 @@ def test_update_one_expert_then_restore(llm, tiny_moe_path):
     assert answers(llm) == before
 
 
-def test_a_transformers_trainers_fused_parameters_load(llm, seed1_path):
-    """transformers >= 5 holds the experts fused ([E, 2I, H], [E, H, I]): its named_parameters() load as they are."""
-    expected = answers(LLM(seed1_path, **ENGINE))
+def test_a_transformers_trainers_fused_parameters_load(llm, seed1_path, tiny_moe_path):
+    """transformers >= 5 holds the experts fused ([E, 2I, H], [E, H, I]): its named_parameters() load as they are,
+    by update_weights and by SGLang's update_weights_from_tensor (a fused tensor counts for every expert's names
+    in the tensors a level-2 sleep waits for)."""
+    expected, before = answers(LLM(seed1_path, **ENGINE)), answers(llm)
     trainer = reference(seed1_path)
-    names = dict(trainer.named_parameters())
-    assert names["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 96, 64)
+    named = [(n, p.detach()) for n, p in trainer.named_parameters()]
+    assert dict(named)["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 96, 64)
     llm.sleep(2)
     llm.wake_up()
-    llm.update_weights([(n, p.detach()) for n, p in trainer.named_parameters()])  # all of them: level 2 needs all
+    llm.update_weights(named)  # all of them: level 2 needs all
     assert answers(llm) == expected
-    llm.reload_weights()
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    half = len(named) // 2
+    llm.update_weights_from_tensor(named[:half])
+    assert not llm.engine.serving  # half a model
+    llm.update_weights_from_tensor(named[half:])
+    llm.wake_up()
+    assert answers(llm) == expected
+    llm.update_weights_from_tensor([(n, p.detach()) for n, p in reference(tiny_moe_path).named_parameters()])
+    assert answers(llm) == before
 
 
 def test_flattened_bucket_and_sglang_pushes_with_per_expert_names(llm, seed1_path, tiny_moe_path):
@@ -309,7 +320,7 @@ def test_tensor_parallel_matches_one_rank(tiny_moe_path, llm):
 
 def test_dummy_weights_need_no_checkpoint_and_reload_bit_exact(tmp_path):
     path = str(make_model("tiny-moe", tmp_path / "config-only", dtype="float32", config_only=True, progress=False))
-    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
         LLM(path, **ENGINE)
     engine = LLM(path, load_format="dummy", **ENGINE)
     before = answers(engine)

@@ -282,7 +282,7 @@ class WeightReceiver:
         with phase("sync"):
             _synchronize_copies(engine)  # copies done before the trainer may reuse its memory
         if discarded:
-            self.missing -= set(names)
+            self.missing -= self.manifest.covered(names)  # a fused experts tensor covers its per-expert names
             if not self.missing:
                 self.missing = None
                 engine.model_runner.reset_buffers()  # discarded with the weights; the buckets left it (once here)

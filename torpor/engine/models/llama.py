@@ -4,7 +4,6 @@ checkpoints, except the fused `qkv_proj` and `gate_up_proj` (see `packed_modules
 fused per layer as transformers >= 5 holds them (`mlp.experts.gate_up_proj` / `down_proj`; a checkpoint's
 per-expert names map onto them: `resolve_weight_name`)."""
 
-import re
 from typing import ClassVar
 
 import torch
@@ -18,7 +17,7 @@ from torpor.engine.models.layers.activation import SiluAndMul
 from torpor.engine.models.layers.attention import Attention
 from torpor.engine.models.layers.embedding import VocabEmbedding, gather_logits
 from torpor.engine.models.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
-from torpor.engine.models.layers.moe import PROJECTIONS, SparseMoeBlock
+from torpor.engine.models.layers.moe import EXPERT_WEIGHT, PROJECTIONS, SparseMoeBlock
 from torpor.engine.models.layers.norm import RMSNorm
 from torpor.engine.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -119,10 +118,6 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# a checkpoint's per-expert tensor: model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight
-_EXPERT_WEIGHT = re.compile(r"^(.+\.mlp\.experts)\.(0|[1-9]\d*)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. Build it under the target device and default dtype (see `build_model`);
     parameters are allocated empty and filled by `torpor.engine.weights.loader.load_weights`."""
@@ -166,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint name -> (parameter name, shard id): `experts.{e}.gate_proj.weight` -> (`experts.gate_up_proj`,
         ("gate_proj", e)), `down_proj` -> (`experts.down_proj`, ("down_proj", e)); q/k/v and gate/up of the dense
         layers by `packed_modules_mapping`; any other name is its parameter's, whole (shard None)."""
-        expert = _EXPERT_WEIGHT.match(name)
+        expert = EXPERT_WEIGHT.match(name)
         if expert is not None:
             prefix, index, projection = expert.groups()
             fused_name = "down_proj" if projection == "down_proj" else "gate_up_proj"

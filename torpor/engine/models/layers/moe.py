@@ -17,6 +17,8 @@ columns), as the dense MLP; the router is replicated; the k-term sums of the ran
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -28,6 +30,8 @@ from torpor.engine.models.layers.linear import Linear
 from torpor.engine.models.layers.loading import copy_weight
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # the checkpoint's per-expert modules
+# a checkpoint's per-expert tensor: (model.layers.{l}.mlp.experts).({e}).({gate,up,down}_proj).weight
+EXPERT_WEIGHT = re.compile(r"^(.+\.mlp\.experts)\.(0|[1-9]\d*)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
