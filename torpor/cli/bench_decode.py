@@ -5,8 +5,12 @@ Hugging Face transformers. Synthetic checkpoints are generated into the cache di
    sustains for a streaming kernel).
 2. batch 1, per model (--models): greedy decode with CUDA graphs, tokens/s end to end (engine steps),
    and the bytes each step must read -- the weights (the embedding table only where it is also the LM
-   head) plus the KV cache so far -- per second, as a fraction of the copy bandwidth. `gpu` repeats the
-   same step's graph + LM head without the host, to split kernel time from host overhead.
+   head; of a MoE model only the active parameters: attention, router and the top-k experts of each
+   sparse layer, plus the LM head) plus the KV cache so far -- per second, as a fraction of the copy
+   bandwidth. `gpu` repeats the same step's graph + LM head without the host, to split kernel time from
+   host overhead. A preset whose checkpoint is over 32 GB and not generated yet (qwen3-30b-a3b: 61 GB)
+   runs on dummy weights drawn on the device (`load_format="dummy"`, a config-only folder): the speed is
+   the same, the tokens are not a trained model's.
 3. throughput (--throughput-model): --num-requests requests with random prompt and output lengths through
    `LLM.generate`, then through transformers' `generate` (batches of --hf-batch-size, left-padded, same
    checkpoint, dtype and device); output tokens/s of each and the ratio. transformers runs each batch for
@@ -31,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("decode", help="decode tokens/s vs the memory roofline, throughput vs transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N (cpu only for smoke tests)")
-    p.add_argument("--models", default="qwen3-8b,qwen3-0.6b", help="presets for the batch-1 decode runs")
+    p.add_argument("--models", "--model", default="qwen3-8b,qwen3-0.6b",
+                   help="presets for the batch-1 decode runs (e.g. qwen3-30b-a3b)")
     p.add_argument("--throughput-model", default="qwen3-0.6b", help="preset for the throughput run ('' skips it)")
     p.add_argument("--cache-dir", default=None, help="where checkpoints are generated (default: $TORPOR_CACHE/models)")
     p.add_argument("--prompt-len", type=int, default=128, help="batch 1: prompt tokens")
@@ -48,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="ranks (GPUs) per engine; the roofline fraction is then per GPU (rank 0's shard)")
     p.add_argument("--sleep-cycle", action="store_true",
                    help="batch 1: measure again after a level-1 sleep and a full wake (the sleep's effect on speed)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                   help="dummy: weights drawn on the device, no checkpoint written or read (default: dummy for a "
+                        "preset over 32 GB that is not generated yet)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run)
@@ -66,18 +74,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"{results['device']}: device-to-device copy {results['copy_gbps']:.0f} GB/s (read + write)")
     results["batch1"] = []
     for preset in [m for m in args.models.split(",") if m]:
-        row = bench_batch1(checkpoint(preset, cache), device, args, results["copy_gbps"])
+        path, load_format = model_checkpoint(preset, cache, args.load_format)
+        row = bench_batch1(path, device, args, results["copy_gbps"], load_format)
         results["batch1"].append({"model": preset, **row})
         gpu = "" if row["gpu_step_ms"] is None else \
             f"; gpu only: {row['gpu_step_ms']:.2f} ms, {100 * row['gpu_roofline_fraction']:.0f}%"
         print(f"{preset} batch 1 (TP={args.tensor_parallel_size}): {row['tokens_per_s']:.1f} tok/s, "
               f"{row['step_ms']:.2f} ms/step, {row['gbps']:.0f} GB/s = {100 * row['roofline_fraction']:.0f}% of "
-              f"copy bandwidth ({row['bytes_per_step'] / GB:.2f} GB/step{gpu})")
+              f"copy bandwidth ({row['bytes_per_step'] / GB:.2f} GB/step{gpu}){_weights_note(row)}")
         if "after_sleep_tokens_per_s" in row:
             print(f"{preset} batch 1 after a level-1 sleep and wake: {row['after_sleep_tokens_per_s']:.1f} tok/s "
                   f"({100 * (row['after_sleep_tokens_per_s'] / row['tokens_per_s'] - 1):+.1f}%)")
     if args.throughput_model:
-        row = bench_throughput(checkpoint(args.throughput_model, cache), device, args)
+        row = bench_throughput(*model_checkpoint(args.throughput_model, cache, args.load_format), device, args)
         results["throughput"] = {"model": args.throughput_model, **row}
         line = (f"{args.throughput_model} throughput (TP={args.tensor_parallel_size}), {args.num_requests} requests: "
                 f"torpor "
@@ -115,12 +124,44 @@ def checkpoint(preset: str, cache: Path) -> Path:
     return cached_model_path(preset, progress=True, models_dir=cache)
 
 
-def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, copy_gbps: float) -> dict:
+DUMMY_ABOVE_BYTES = 32 * 10**9  # presets whose checkpoint is larger run on dummy weights unless generated already
+
+
+def model_checkpoint(preset: str, cache: Path, load_format: str | None = None) -> tuple[Path, str]:
+    """(folder, load_format) of `preset`: its synthetic checkpoint (generated once into `cache`), or with dummy
+    weights a folder of config.json and tokenizer (for `load_format` None: a preset over DUMMY_ABOVE_BYTES whose
+    checkpoint is not in `cache`)."""
+    from torpor.synthetic import make_model, preset_bytes
+
+    full = cache / f"{preset}-seed0-bfloat16"
+    if load_format is None:
+        on_disk = (full / "config.json").is_file()
+        load_format = "dummy" if not on_disk and preset_bytes(preset) > DUMMY_ABOVE_BYTES else "auto"
+    if load_format == "auto":
+        return checkpoint(preset, cache), "auto"
+    folder = cache / f"{preset}-config-only"
+    if not (folder / "config.json").is_file():
+        make_model(preset, folder, dtype="bfloat16", config_only=True, progress=False)
+    return folder, "dummy"
+
+
+def _weights_note(row: dict) -> str:
+    notes = []
+    if row.get("active_fraction", 1.0) < 1.0:
+        notes.append(f"active parameters: {100 * row['active_fraction']:.0f}% of the weights")
+    if row.get("load_format") == "dummy":
+        notes.append("dummy weights")
+    return f" [{'; '.join(notes)}]" if notes else ""
+
+
+def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, copy_gbps: float,
+                 load_format: str = "auto") -> dict:
     from torpor.engine import LLM, SamplingParams
 
     max_model_len = args.prompt_len + args.decode_tokens + 16
     llm = LLM(str(path), device=str(device), max_model_len=max_model_len, max_num_seqs=1,
-              num_kv_blocks=-(-max_model_len // 16), block_size=16, tensor_parallel_size=args.tensor_parallel_size)
+              num_kv_blocks=-(-max_model_len // 16), block_size=16, tensor_parallel_size=args.tensor_parallel_size,
+              load_format=load_format)
     engine = llm.engine
     prompt = _random_tokens(random.Random(args.seed), args.prompt_len, engine.vocab_size)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
@@ -129,7 +170,9 @@ def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, cop
     bytes_per_step = weight_bytes_read(engine) + kv_bytes_per_token(engine) * (args.prompt_len + (num_steps + 1) / 2)
     row = dict(tokens_per_s=1 / step_s, step_ms=1e3 * step_s, bytes_per_step=bytes_per_step,
                gbps=bytes_per_step / step_s / GB, roofline_fraction=bytes_per_step / step_s / GB / copy_gbps,
-               gpu_step_ms=None, gpu_roofline_fraction=None, cuda_graphs=_rank0(engine).graphs is not None)
+               gpu_step_ms=None, gpu_roofline_fraction=None, cuda_graphs=_rank0(engine).graphs is not None,
+               load_format=load_format,
+               active_fraction=weight_bytes_read(engine) / sum(p.nbytes for p in _rank0(engine).model.parameters()))
     if args.tensor_parallel_size == 1:  # a replay on rank 0 alone would wait for the workers' collectives
         gpu_step_s = _gpu_step_seconds(engine, device)
         row.update(gpu_step_ms=1e3 * gpu_step_s, gpu_roofline_fraction=bytes_per_step / gpu_step_s / GB / copy_gbps)
@@ -160,10 +203,14 @@ def _decode_step_seconds(engine, prompt: list[int], num_tokens: int, device: tor
 
 
 def weight_bytes_read(engine) -> int:
-    """Parameter bytes one decode step reads: all of them, except the embedding table when the LM head
-    is separate (a step looks up one row of it)."""
+    """Parameter bytes one batch-1 decode step reads: all of them, except the embedding table when the LM head
+    is separate (a step looks up one row of it) and, in a MoE model, the experts the token does not route to (it
+    reads top_k of each sparse layer's experts: its active parameters)."""
     model = _rank0(engine).model  # under tensor parallelism: rank 0's shard
     total = sum(p.nbytes for p in model.parameters())
+    for block in model.moe_blocks:
+        experts = block.experts.gate_up_proj.nbytes + block.experts.down_proj.nbytes
+        total -= experts - experts * block.top_k // block.experts.num_experts
     embed = model.model.embed_tokens.weight
     return total if model.lm_head is None else total - embed.nbytes + embed[0].nbytes
 
@@ -209,7 +256,7 @@ def throughput_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list
     return prompts, [rng.randint(min_output, max_output) for _ in range(args.num_requests)]
 
 
-def bench_throughput(path: Path, device: torch.device, args: argparse.Namespace) -> dict:
+def bench_throughput(path: Path, load_format: str, device: torch.device, args: argparse.Namespace) -> dict:
     from torpor.engine import LLM, SamplingParams
     from torpor.engine.models import ModelConfig
 
@@ -217,7 +264,8 @@ def bench_throughput(path: Path, device: torch.device, args: argparse.Namespace)
     max_model_len = max(map(len, prompts)) + max(output_lens)
     llm = LLM(str(path), device=str(device), max_model_len=max_model_len,
               max_num_seqs=min(args.max_num_seqs, args.num_requests),
-              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
+              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+              load_format=load_format)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:8], params[:8])  # warm-up
     _sync(device)
@@ -232,7 +280,9 @@ def bench_throughput(path: Path, device: torch.device, args: argparse.Namespace)
     llm.close()
     del llm, outputs
     _release(device)
-    if not args.no_hf:
+    if load_format == "dummy":
+        print("dummy weights: no transformers baseline (it needs a checkpoint)")
+    elif not args.no_hf:
         hf_s = hf_generate_seconds(path, prompts, output_lens, args.hf_batch_size, device)
         if hf_s is not None:
             row.update(hf_s=hf_s, hf_tokens_per_s=num_tokens / hf_s, ratio=hf_s / engine_s)

@@ -19,16 +19,17 @@ from pathlib import Path
 
 import torch
 
-from torpor.cli.bench_decode import _cache_root, _device_name, _release, _sync, checkpoint
+from torpor.cli.bench_decode import _cache_root, _device_name, _release, _sync, model_checkpoint
 
-PRESETS = ("qwen3-0.6b", "qwen3-8b", "tiny")
+PRESETS = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "tiny", "tiny-moe")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="n samples per prompt (GRPO-shaped): prefix caching on/off vs transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder "
-                                                 "(default: qwen3-0.6b on GPU, tiny on CPU)")
+                                                 "(default: qwen3-0.6b on GPU, tiny on CPU); qwen3-30b-a3b runs on "
+                                                 "dummy weights unless its checkpoint was generated")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--cache-dir", default=None, help="where presets are generated (default: $TORPOR_CACHE/models)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -53,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
 
     device = torch.device(_resolve_device(args.device))
     model = args.model or ("qwen3-0.6b" if device.type == "cuda" else "tiny")
+    load_format = "auto"
     if model in PRESETS:
-        path = checkpoint(model, Path(args.cache_dir or Path(_cache_root()) / "models"))
+        path, load_format = model_checkpoint(model, Path(args.cache_dir or Path(_cache_root()) / "models"))
     else:
         path = Path(model)
     rng = random.Random(args.seed)
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"model": str(path), "device": _device_name(device), **{k: getattr(args, k) for k in (
         "num_prompts", "prompt_len", "n", "output_len", "seed")}}
     for caching in (True, False):
-        row = bench_engine(path, device, prompts, args, caching)
+        row = bench_engine(path, device, prompts, args, caching, load_format)
         result["cached" if caching else "uncached"] = row
         print(f"  engine, prefix caching {'on ' if caching else 'off'}: {row['tokens_per_s']:.0f} output tok/s "
               f"({row['output_tokens']} tokens in {row['seconds']:.2f} s), prefix-cache hit rate "
@@ -73,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"    {DecodeStepTimer.describe(row['decode_steps'])}")
     result["caching_speedup"] = result["cached"]["tokens_per_s"] / result["uncached"]["tokens_per_s"]
     print(f"  prefix caching: {result['caching_speedup']:.2f}x (goal >= 1.5x)")
-    if args.hf_prompts:
+    if load_format == "dummy":
+        print("  dummy weights: no transformers baseline (it needs a checkpoint)")
+    elif args.hf_prompts:
         hf = bench_transformers(path, device, prompts[: args.hf_prompts], args)
         if hf is not None:
             result["transformers"] = hf
@@ -87,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench_engine(path: Path, device: torch.device, prompts: list[list[int]], args: argparse.Namespace,
-                 caching: bool) -> dict:
+                 caching: bool, load_format: str = "auto") -> dict:
     from torpor.engine import LLM, SamplingParams
 
     llm = LLM(str(path), device=str(device), max_model_len=args.prompt_len + args.output_len + 1,
               max_num_seqs=args.max_num_seqs, max_n=args.n, gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=caching)
+              enable_prefix_caching=caching, load_format=load_format)
     params = [SamplingParams(temperature=1.0, seed=args.seed * 1_000_003 + i, n=args.n, max_tokens=args.output_len,
                              ignore_eos=True) for i in range(len(prompts))]
     warm = [[(t + 1) % 1000 for t in prompts[0]]]  # a prompt the workload does not share blocks with

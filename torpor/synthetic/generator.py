@@ -64,6 +64,12 @@ def make_model(
     return out
 
 
+def preset_bytes(preset: str, dtype: str | torch.dtype | None = None) -> int:
+    """The bytes of `preset`'s weights in `dtype` (default bfloat16), without writing anything."""
+    config = ModelConfig.from_dict(config_json(get_preset(preset), _dtype_name(dtype)))
+    return sum(tensor_nbytes(shape, DTYPES[_dtype_name(dtype)]) for _, shape in weight_specs(config))
+
+
 def default_model_path() -> Path:
     """The embedded default model (`tiny`, seed 0), generated once into the cache directory
     ($TORPOR_CACHE, else ~/.cache/torpor)."""
