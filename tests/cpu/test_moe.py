@@ -189,6 +189,27 @@ def test_routed_experts_are_refused_for_a_dense_model(tiny_model_path):
 
 
 # ---- weights: names, checks, updates -------------------------------------------------------------------
+def test_the_30b_preset_checkpoint_covers_its_model_exactly():
+    """qwen3-30b-a3b's geometry (built on the meta device, nothing allocated): every one of its 18867 checkpoint
+    tensors plans onto a parameter, and they cover every parameter and shard (the generator writes these names)."""
+    from torpor.engine.attention.torch_backend import TorchAttentionBackend
+    from torpor.engine.models import build_model
+    from torpor.engine.weights.loader import plan_copies
+    from torpor.synthetic import get_preset, preset_bytes
+    from torpor.synthetic.generator import config_json, weight_specs
+
+    config = ModelConfig.from_dict(config_json(get_preset("qwen3-30b-a3b"), "bfloat16"))
+    assert (config.num_hidden_layers, config.hidden_size, config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.vocab_size, config.norm_topk_prob, config.rope_theta, config.max_position_embeddings) == \
+        (48, 2048, 128, 8, 768, 32, 4, 128, 151936, True, 1e6, 40960)
+    model = build_model(config, TorchAttentionBackend(), device="meta", max_model_len=64)
+    specs = weight_specs(config)
+    copies = plan_copies(model, ((name, shape, torch.bfloat16) for name, shape in specs), strict=True)
+    assert len(copies) == len(specs) == 18867
+    assert sum(p.numel() for p in model.parameters()) * 2 == preset_bytes("qwen3-30b-a3b") == 61_064_245_248
+
+
 def test_checkpoint_names_are_per_expert(tiny_moe_path):
     names = {name for name, _ in iter_checkpoint(tiny_moe_path)}
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in names and "model.layers.2.mlp.gate.weight" in names
@@ -318,8 +339,13 @@ def test_tensor_parallel_matches_one_rank(tiny_moe_path, llm):
         tp.close()
 
 
-def test_dummy_weights_need_no_checkpoint_and_reload_bit_exact(tmp_path):
-    path = str(make_model("tiny-moe", tmp_path / "config-only", dtype="float32", config_only=True, progress=False))
+def test_dummy_weights_need_no_checkpoint_and_reload_bit_exact(tmp_path, capsys):
+    from torpor.cli.main import main
+
+    path = str(tmp_path / "config-only")
+    assert main(["make-model", "tiny-moe", path, "--dtype", "float32", "--config-only"]) == 0
+    assert sorted(p.name for p in (tmp_path / "config-only").iterdir()) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
         LLM(path, **ENGINE)
     engine = LLM(path, load_format="dummy", **ENGINE)
