@@ -1,9 +1,10 @@
 """The experts of a MoE layer on CUDA, in Triton: what `moe.experts_reference` computes, with the same rounding
 points, without a host sync (CUDA-graph safe) and with every buffer sized by the batch alone.
 
-1. `align_by_expert` (PyTorch ops on the device): the token-slots (token * k + j) sorted by expert, each expert's
-   run padded to whole blocks of BLOCK_M, and the expert of every block. The number of blocks depends on the
-   routing, so the grid is launched for the most there can be (`max_blocks`); blocks past the used ones exit.
+1. `_align_kernel` (one program; `align_by_expert` is its PyTorch reference): the token-slots (token * k + j)
+   sorted by expert, each expert's run padded to whole blocks of BLOCK_M, and the expert of every block. The
+   number of blocks depends on the routing, so the grid is launched for the most there can be (`max_blocks`);
+   blocks past the used ones exit.
 2. `_gate_up_kernel`: per block of BLOCK_M slots of one expert and BLOCK_N intermediate columns, the gate and up
    GEMMs over the hidden dimension (tl.dot, fp32 accumulators), then silu(gate) * up rounded as SiluAndMul.
 3. `_down_kernel`: the down GEMM over the intermediate dimension, rounded to the dtype, times the slot's routing
@@ -42,6 +43,45 @@ CHUNK_TOKENS = 4096
 # exact fp32 dots (`input_precision="ieee"`, FMA units), smaller tiles for the registers.
 _TILES = {torch.bfloat16: (64, 64, 64, 4), torch.float16: (64, 64, 64, 4), torch.float32: (32, 32, 32, 4)}
 _SUM_BLOCK = 1024
+
+
+@_jit
+def _align_kernel(
+    ids_ptr,  # [num_slots]: the expert of each slot
+    slots_ptr,  # [num_blocks * BLOCK_M] int32, filled with num_slots (padding) before the launch
+    block_expert_ptr,  # [num_blocks] int32
+    num_slots,
+    num_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS: tl.constexpr,  # next power of two >= NUM_EXPERTS
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,  # slots (or blocks) per step, as one-hot rows over the experts
+):
+    """As `align_by_expert`: count each expert's slots, place every slot after the earlier ones of its expert
+    (its rank: an exclusive prefix count over one-hot rows, carried across chunks), name each block's expert."""
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_ends = tl.cumsum(blocks, axis=0)
+    padded_starts = (block_ends - blocks) * BLOCK_M
+    seen = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
+        dest = tl.sum(onehot * (padded_starts[None, :] + rank), axis=1)
+        tl.store(slots_ptr + dest, offs, mask=offs < num_slots)
+        seen += tl.sum(onehot, axis=0)
+    real = (experts < NUM_EXPERTS)[None, :]
+    for start in range(0, num_blocks, CHUNK):
+        ids = start + tl.arange(0, CHUNK)
+        expert = tl.sum(((block_ends[None, :] <= ids[:, None]) & real).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + ids, expert, mask=ids < num_blocks)
 
 
 @_jit
@@ -171,7 +211,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     """ids [T, k] -> (slots [max_blocks * block_m] int32, block_expert [max_blocks] int32): the slots t * k + j
     sorted by expert (stable: ascending slot within an expert), each expert's run starting at a block; padding
     rows hold T * k. block_expert[b] is the expert of block b, num_experts for the unused blocks. Device ops of
-    fixed sizes only (no host sync)."""
+    fixed sizes only (no host sync); the reference of `_align_kernel`, which does it in one launch."""
     num_slots = ids.numel()
     device = ids.device
     flat = ids.reshape(-1)
@@ -224,8 +264,13 @@ def _chunk(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torc
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
     block_m, block_n, block_k, num_warps = _TILES[x.dtype]
-    slots, block_expert = align_by_expert(ids, num_experts, block_m)
-    num_slots, nblocks = ids.numel(), block_expert.shape[0]
+    num_slots = ids.numel()
+    nblocks = max_blocks(num_slots, num_experts, block_m)
+    slots = torch.full((nblocks * block_m,), num_slots, dtype=torch.int32, device=x.device)
+    block_expert = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+    experts = fused._next_power_of_2(num_experts)
+    _align_kernel[(1,)](ids, slots, block_expert, num_slots, nblocks, NUM_EXPERTS=num_experts, EXPERTS=experts,
+                        BLOCK_M=block_m, CHUNK=max(16, 4096 // experts), num_warps=4)
     h = torch.empty((num_slots, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nblocks, -(-inter // block_n))](
         x, gate_up, h, slots, block_expert, num_slots, x.stride(0),
