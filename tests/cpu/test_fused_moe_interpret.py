@@ -96,20 +96,15 @@ def test_align_by_expert_sorts_every_slot_into_blocks_of_one_expert():
     assert block_expert.tolist()[:4] == [0, 1, 3, 5]
 
 
-@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "skew"), [(1, 8, 2, 0.0), (37, 8, 3, 0.0),
-                                                                         (300, 16, 4, 6.0), (5, 128, 8, 0.0)])
-def test_the_align_kernel_matches_its_reference(num_tokens, num_experts, top_k, skew):
-    """One launch of `_align_kernel` (several chunks of slots and blocks here) against `align_by_expert`."""
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "skew", "block_m"), [
+    (1, 8, 2, 0.0, 16), (37, 8, 3, 0.0, 4), (300, 16, 4, 6.0, 16), (200, 128, 8, 0.0, 64)])
+def test_the_align_kernels_match_their_reference(num_tokens, num_experts, top_k, skew, block_m):
+    """`align` (the kernels CUDA runs; 200 x 8 slots: two chunks, 128 experts) against `align_by_expert` (what
+    `fused_experts` uses on CPU tensors, in the interpreter)."""
     ids = experts_case(num_tokens, torch.float32, num_experts=num_experts, top_k=top_k, skew=skew)[3]
-    block_m = 16
-    slots, block_expert = fused_moe.align_by_expert(ids, num_experts, block_m)
-    fused_moe._kernels.load()
-    got_slots = torch.full_like(slots, ids.numel())
-    got_experts = torch.empty_like(block_expert)
-    experts = fused_moe.fused._next_power_of_2(num_experts)
-    fused_moe._align_kernel[(1,)](ids, got_slots, got_experts, ids.numel(), block_expert.numel(),
-                                  NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m, CHUNK=16)
-    assert torch.equal(got_slots, slots) and torch.equal(got_experts, block_expert)
+    slots, block_expert = fused_moe.align(ids, num_experts, block_m)
+    expected_slots, expected_experts = fused_moe.align_by_expert(ids, num_experts, block_m)
+    assert torch.equal(slots, expected_slots) and torch.equal(block_expert, expected_experts)
 
 
 def test_bad_inputs_name_the_problem():

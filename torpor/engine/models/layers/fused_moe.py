@@ -1,10 +1,10 @@
 """The experts of a MoE layer on CUDA, in Triton: what `moe.experts_reference` computes, with the same rounding
 points, without a host sync (CUDA-graph safe) and with every buffer sized by the batch alone.
 
-1. `_align_kernel` (one program; `align_by_expert` is its PyTorch reference): the token-slots (token * k + j)
-   sorted by expert, each expert's run padded to whole blocks of BLOCK_M, and the expert of every block. The
-   number of blocks depends on the routing, so the grid is launched for the most there can be (`max_blocks`);
-   blocks past the used ones exit.
+1. `align` (`_count_kernel` then `_place_kernel`, one program per expert; `align_by_expert` is their PyTorch
+   reference): the token-slots (token * k + j) sorted by expert, each expert's run padded to whole blocks of
+   BLOCK_M, and the expert of every block. The number of blocks depends on the routing, so the grid is launched
+   for the most there can be (`max_blocks`); blocks past the used ones exit.
 2. `_gate_up_kernel`: per block of BLOCK_M slots of one expert and BLOCK_N intermediate columns, the gate and up
    GEMMs over the hidden dimension (tl.dot, fp32 accumulators), then silu(gate) * up rounded as SiluAndMul.
 3. `_down_kernel`: the down GEMM over the intermediate dimension, rounded to the dtype, times the slot's routing
@@ -43,11 +43,24 @@ CHUNK_TOKENS = 4096
 # exact fp32 dots (`input_precision="ieee"`, FMA units), smaller tiles for the registers.
 _TILES = {torch.bfloat16: (64, 64, 64, 4), torch.float16: (64, 64, 64, 4), torch.float32: (32, 32, 32, 4)}
 _SUM_BLOCK = 1024
+_ALIGN_CHUNK = 1024  # slots an align program scans per step
 
 
 @_jit
-def _align_kernel(
+def _count_kernel(ids_ptr, counts_ptr, num_slots, CHUNK: tl.constexpr):
+    """counts[e] = the slots routed to expert e (one program per expert)."""
+    expert = tl.program_id(0)
+    count = tl.zeros((CHUNK,), dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        count += (tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1) == expert).to(tl.int32)
+    tl.store(counts_ptr + expert, tl.sum(count, axis=0))
+
+
+@_jit
+def _place_kernel(
     ids_ptr,  # [num_slots]: the expert of each slot
+    counts_ptr,  # [NUM_EXPERTS] from _count_kernel
     slots_ptr,  # [num_blocks * BLOCK_M] int32, filled with num_slots (padding) before the launch
     block_expert_ptr,  # [num_blocks] int32
     num_slots,
@@ -55,33 +68,33 @@ def _align_kernel(
     NUM_EXPERTS: tl.constexpr,
     EXPERTS: tl.constexpr,  # next power of two >= NUM_EXPERTS
     BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,  # slots (or blocks) per step, as one-hot rows over the experts
+    CHUNK: tl.constexpr,
 ):
-    """As `align_by_expert`: count each expert's slots, place every slot after the earlier ones of its expert
-    (its rank: an exclusive prefix count over one-hot rows, carried across chunks), name each block's expert."""
+    """One program per expert: its slots, in slot order, from the first row of its first block (the blocks of the
+    experts before it come first), and its blocks' entries of block_expert; program 0 also marks the unused
+    blocks (NUM_EXPERTS)."""
+    expert = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
-    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    blocks = (tl.load(counts_ptr + experts, mask=experts < NUM_EXPERTS, other=0) + BLOCK_M - 1) // BLOCK_M
+    first_block = tl.sum(tl.where(experts < expert, blocks, 0), axis=0)
+    own_blocks = tl.sum(tl.where(experts == expert, blocks, 0), axis=0)
+    seen = 0
     for start in range(0, num_slots, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_ends = tl.cumsum(blocks, axis=0)
-    padded_starts = (block_ends - blocks) * BLOCK_M
-    seen = tl.zeros((EXPERTS,), dtype=tl.int32)
-    for start in range(0, num_slots, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
-        dest = tl.sum(onehot * (padded_starts[None, :] + rank), axis=1)
-        tl.store(slots_ptr + dest, offs, mask=offs < num_slots)
-        seen += tl.sum(onehot, axis=0)
-    real = (experts < NUM_EXPERTS)[None, :]
-    for start in range(0, num_blocks, CHUNK):
+        match = (tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1) == expert).to(tl.int32)
+        rank = seen + tl.cumsum(match, axis=0) - match  # earlier slots of this expert
+        tl.store(slots_ptr + first_block * BLOCK_M + rank, offs, mask=match > 0)
+        seen += tl.sum(match, axis=0)
+    for start in range(0, own_blocks, CHUNK):
         ids = start + tl.arange(0, CHUNK)
-        expert = tl.sum(((block_ends[None, :] <= ids[:, None]) & real).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + ids, expert, mask=ids < num_blocks)
+        tl.store(block_expert_ptr + first_block + ids, expert + tl.zeros((CHUNK,), dtype=tl.int32),
+                 mask=ids < own_blocks)
+    if expert == 0:
+        total = tl.sum(blocks, axis=0)
+        for start in range(0, num_blocks, CHUNK):
+            ids = start + tl.arange(0, CHUNK)
+            tl.store(block_expert_ptr + ids, NUM_EXPERTS + tl.zeros((CHUNK,), dtype=tl.int32),
+                     mask=(ids >= total) & (ids < num_blocks))
 
 
 @_jit
@@ -211,7 +224,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     """ids [T, k] -> (slots [max_blocks * block_m] int32, block_expert [max_blocks] int32): the slots t * k + j
     sorted by expert (stable: ascending slot within an expert), each expert's run starting at a block; padding
     rows hold T * k. block_expert[b] is the expert of block b, num_experts for the unused blocks. Device ops of
-    fixed sizes only (no host sync); the reference of `_align_kernel`, which does it in one launch."""
+    fixed sizes only (no host sync); the reference of `align`, which does it in three launches."""
     num_slots = ids.numel()
     device = ids.device
     flat = ids.reshape(-1)
@@ -227,6 +240,22 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     slots.scatter_(0, padded_starts[sorted_experts] + rank, order.to(torch.int32))
     block_ids = torch.arange(nblocks, device=device, dtype=block_ends.dtype)
     return slots, torch.searchsorted(block_ends, block_ids, right=True).to(torch.int32)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `align_by_expert` returns, in three launches (a fill, `_count_kernel`, `_place_kernel`)."""
+    _kernels.load()
+    num_slots = ids.numel()
+    nblocks = max_blocks(num_slots, num_experts, block_m)
+    slots = torch.full((nblocks * block_m,), num_slots, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(nblocks, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1)
+    _count_kernel[(num_experts,)](flat, counts, num_slots, CHUNK=_ALIGN_CHUNK, num_warps=4)
+    _place_kernel[(num_experts,)](flat, counts, slots, block_expert, num_slots, nblocks, NUM_EXPERTS=num_experts,
+                                  EXPERTS=fused._next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK,
+                                  num_warps=4)
+    return slots, block_expert
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
@@ -264,13 +293,10 @@ def _chunk(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torc
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
     block_m, block_n, block_k, num_warps = _TILES[x.dtype]
-    num_slots = ids.numel()
-    nblocks = max_blocks(num_slots, num_experts, block_m)
-    slots = torch.full((nblocks * block_m,), num_slots, dtype=torch.int32, device=x.device)
-    block_expert = torch.empty(nblocks, dtype=torch.int32, device=x.device)
-    experts = fused._next_power_of_2(num_experts)
-    _align_kernel[(1,)](ids, slots, block_expert, num_slots, nblocks, NUM_EXPERTS=num_experts, EXPERTS=experts,
-                        BLOCK_M=block_m, CHUNK=max(16, 4096 // experts), num_warps=4)
+    # In Triton's interpreter (CPU tensors, tests) 2 x E interpreted programs cost more than the reference's ops,
+    # which give the same result (tests/cpu/test_fused_moe_interpret.py)
+    slots, block_expert = (align if x.is_cuda else align_by_expert)(ids, num_experts, block_m)
+    num_slots, nblocks = ids.numel(), block_expert.shape[0]
     h = torch.empty((num_slots, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nblocks, -(-inter // block_n))](
         x, gate_up, h, slots, block_expert, num_slots, x.stride(0),
