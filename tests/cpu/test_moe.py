@@ -322,11 +322,15 @@ def test_prefix_caching_on_or_off_gives_the_same_bits(llm, tiny_moe_path):
     assert not differences(plain, cached)
 
 
-def test_tensor_parallel_matches_one_rank(tiny_moe_path, llm):
-    """Experts sharded along their intermediate dimension over two CPU processes (gloo)."""
+def test_tensor_parallel_matches_one_rank(tiny_moe_path, seed1_path, llm):
+    """Experts sharded along their intermediate dimension over two CPU processes (gloo); each rank slices what it
+    is sent, per-expert or fused tensors."""
     prompts = random_prompts([4, 19], seed=8)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1, return_routed_experts=True)
     expected = llm.generate(prompts, params)
+    greedy = dataclasses.replace(params, logprobs=None, return_routed_experts=False)
+    seed1 = [o.outputs[0].token_ids for o in LLM(seed1_path, **ENGINE).generate(prompts, greedy)]
+    trainer = [(n, p.detach()) for n, p in reference(seed1_path).named_parameters()]
     tp = LLM(tiny_moe_path, tensor_parallel_size=2, **ENGINE)
     try:
         got = tp.generate(prompts, params)
@@ -335,6 +339,8 @@ def test_tensor_parallel_matches_one_rank(tiny_moe_path, llm):
             assert np.array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
             for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
                 assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=ATOL) for t in x)
+        tp.update_weights(trainer)  # the experts fused
+        assert [o.outputs[0].token_ids for o in tp.generate(prompts, greedy)] == seed1
     finally:
         tp.close()
 
