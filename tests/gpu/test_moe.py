@@ -114,6 +114,22 @@ def test_the_kernels_capture_in_a_cuda_graph():
 
 
 # ---- the engine ----------------------------------------------------------------------------------------
+def test_the_engine_on_the_kernels_matches_its_pytorch_path(checkpoints):
+    """fp32, eager both (the PyTorch path syncs with the host: no graphs): the same greedy tokens and routed
+    experts, logprobs within 1e-5."""
+    path = checkpoints["float32"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, return_routed_experts=True)
+    kernels = LLM(path, enforce_eager=True, **SMALL).generate(prompts(), params)
+    torch_path = LLM(path, enforce_eager=True, **SMALL)
+    for block in torch_path.engine.model_runner.model.moe_blocks:
+        block.use_kernels = False
+    for a, b in zip(kernels, torch_path.generate(prompts(), params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert np.array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
+
+
 def test_fp32_matches_transformers(checkpoints):
     transformers = pytest.importorskip("transformers")
     path = checkpoints["float32"]
