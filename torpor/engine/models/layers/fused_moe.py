@@ -85,16 +85,13 @@ def _place_kernel(
         rank = seen + tl.cumsum(match, axis=0) - match  # earlier slots of this expert
         tl.store(slots_ptr + first_block * BLOCK_M + rank, offs, mask=match > 0)
         seen += tl.sum(match, axis=0)
-    for start in range(0, own_blocks, CHUNK):
+    total = tl.sum(blocks, axis=0)
+    for start in range(0, num_blocks, CHUNK):
         ids = start + tl.arange(0, CHUNK)
-        tl.store(block_expert_ptr + first_block + ids, expert + tl.zeros((CHUNK,), dtype=tl.int32),
-                 mask=ids < own_blocks)
-    if expert == 0:
-        total = tl.sum(blocks, axis=0)
-        for start in range(0, num_blocks, CHUNK):
-            ids = start + tl.arange(0, CHUNK)
-            tl.store(block_expert_ptr + ids, NUM_EXPERTS + tl.zeros((CHUNK,), dtype=tl.int32),
-                     mask=(ids >= total) & (ids < num_blocks))
+        own = (ids >= first_block) & (ids < first_block + own_blocks)
+        unused = (ids >= total) & (ids < num_blocks) & (tl.zeros((CHUNK,), dtype=tl.int32) + expert == 0)
+        value = tl.where(own, expert + tl.zeros((CHUNK,), dtype=tl.int32), NUM_EXPERTS)
+        tl.store(block_expert_ptr + ids, value, mask=own | unused)
 
 
 @_jit
