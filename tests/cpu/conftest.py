@@ -7,3 +7,10 @@ from torpor.synthetic import make_model
 def tiny_model_path(tmp_path_factory) -> str:
     """The embedded default model's preset, generated once per test session (fp32 on CPU)."""
     return str(make_model("tiny", tmp_path_factory.mktemp("tiny") / "tiny", dtype="float32", progress=False))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory) -> str:
+    """The tiny mixture-of-experts preset (8 experts, top 2, a dense layer), fp32, generated once per session."""
+    return str(make_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe") / "tiny-moe", dtype="float32",
+                          progress=False))

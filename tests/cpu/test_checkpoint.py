@@ -65,7 +65,7 @@ def test_sharded_checkpoint_has_index_and_loads_like_single_file(tmp_path):
 @pytest.mark.parametrize(
     ("preset", "num_params", "num_shards"),
     [("qwen3-0.6b", 596_049_920, 1), ("qwen3-8b", 8_190_735_360, 4), ("llama-3.1-8b", 8_030_261_248, 4),
-     ("qwen2.5-1.5b", 1_543_714_304, 1)],
+     ("qwen2.5-1.5b", 1_543_714_304, 1), ("qwen3-30b-a3b", 30_532_122_624, 13)],
 )  # fmt: skip
 def test_real_presets_have_published_parameter_counts(preset, num_params, num_shards):
     config = ModelConfig.from_dict(config_json(PRESETS[preset], "bfloat16"))

@@ -26,3 +26,18 @@ def test_colocated_grpo_example_on_cpu():
     match = re.fullmatch(r"train-inference max \|logprob diff\| (\S+)", lines[-1])
     assert match, lines[-1]
     assert float(match.group(1)) <= 1e-4  # the weights the engine sampled with are the trainer's, every step
+
+
+@pytest.mark.slow
+def test_colocated_grpo_example_with_a_mixture_of_experts():
+    """tiny-moe: the trainer is transformers' Qwen3MoeForCausalLM, whose named_parameters() hold the experts fused;
+    the engine takes them as they are."""
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "colocated_grpo.py"), "--device", "cpu",
+                             "--preset", "tiny-moe", "--steps", "2"], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert len([line for line in lines if line.startswith("step ")]) == 2, result.stdout
+    match = re.fullmatch(r"train-inference max \|logprob diff\| (\S+)", lines[-1])
+    assert match, lines[-1]
+    assert float(match.group(1)) <= 1e-4

@@ -11,7 +11,8 @@ from torpor.engine.models.layers.rotary import compute_inv_freq
 from torpor.engine.weights.loader import load_weights
 from torpor.synthetic import make_model
 
-ARCHS = {"tiny": "Qwen3ForCausalLM", "tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM"}
+ARCHS = {"tiny": "Qwen3ForCausalLM", "tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM",
+         "tiny-moe": "Qwen3MoeForCausalLM"}
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
 ATOL = 1e-4  # logits are O(1); fp32 differences are ~1e-6

@@ -19,6 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="weights dtype (default bfloat16)")
+    p.add_argument("--config-only", action="store_true",
+                   help="config and tokenizer, no weights: for an engine with load_format='dummy' (weights drawn on "
+                        "the device; e.g. qwen3-30b-a3b's 61 GB where the disk cannot hold them)")
     p.set_defaults(func=run)
 
 
@@ -30,9 +33,11 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         raise ValueError(f"{args.out_dir} exists and is not a folder: give a checkpoint folder to create or refill")
 
-    print(f"writing preset {args.preset!r} (seed {args.seed}, dtype {args.dtype or 'bfloat16'}) to {args.out_dir}")
+    what = "config and tokenizer of preset" if args.config_only else "preset"
+    print(f"writing {what} {args.preset!r} (seed {args.seed}, dtype {args.dtype or 'bfloat16'}) to {args.out_dir}")
     start = time.perf_counter()
-    path = make_model(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype, progress=True)
+    path = make_model(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype, progress=True,
+                      config_only=args.config_only)
     files = sorted(p for p in path.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
     print(f"wrote {len(files)} files, {total / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s: {path}")

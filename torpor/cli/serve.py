@@ -62,6 +62,9 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "load_threads": ("reader threads of the weight loader (0: one per core, half of them beside the start-up)", ()),
     "kv_profile_cache": ("read back the KV-cache sizing's activation peak measured by an earlier start-up with the "
                          "same model, options, code and GPU", ()),
+    "load_format": ("auto: the weights from the checkpoint; dummy: drawn on the device from --seed, no weights read "
+                    "(benchmarks; the folder needs config.json and the tokenizer: torpor make-model --config-only)",
+                    ()),
 }
 NOT_FLAGS = frozenset({"model", "num_kv_blocks"})  # the positional, the profiled
 _DEFAULT_OVERRIDES = {"max_model_len": None}  # None: LLM derives it from the model
@@ -112,7 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_engine_flags(group) -> None:
     """One flag per ENGINE_FLAGS field of EngineConfig (the fields this torpor has), typed from the field."""
-    from torpor.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, EngineConfig
+    from torpor.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, LOAD_FORMATS, EngineConfig
 
     for field in dataclasses.fields(EngineConfig):
         if field.name not in ENGINE_FLAGS:
@@ -127,6 +130,8 @@ def add_engine_flags(group) -> None:
         options: dict = {"type": _FIELD_TYPES[field.type], "metavar": field.name.upper()}
         if field.name == "dtype":
             options = {"choices": (*DTYPE_CHOICES, *DTYPE_ALIASES)}
+        elif field.name == "load_format":
+            options = {"choices": LOAD_FORMATS}
         shown = "" if default is None or "default:" in help_text else f" (default: {default})"
         group.add_argument(*names, dest=field.name, default=default, help=help_text + shown, **options)
 

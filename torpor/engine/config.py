@@ -15,6 +15,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")  # every dtype the engine runs 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # "auto": the checkpoint's
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+LOAD_FORMATS = ("auto", "dummy")
 # Without an explicit budget the prefill batch holds at least this many tokens (and always a
 # whole max_model_len prompt, since prefill is not chunked).
 _DEFAULT_BATCHED_TOKENS = 16384
@@ -63,6 +64,10 @@ class EngineConfig:
     # Read back the activation peak that sizes the KV cache from an earlier start-up with the same model,
     # options, code and GPU (profile_cache.py) instead of measuring it again.
     kv_profile_cache: bool = True
+    # "auto": the weights from the model folder's safetensors; "dummy": drawn in place from a generator seeded by
+    # `seed` (weights/dummy.py: benchmarks of geometries whose checkpoint is not on disk; the folder needs
+    # config.json and the tokenizer). reload_weights() of the model folder draws the same values again.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -97,6 +102,8 @@ class EngineConfig:
         _check_int("load_threads", self.load_threads)
         if self.load_threads < 0:
             raise ValueError(f"load_threads must be >= 0 (0: one per core), got {self.load_threads}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             # The Triton decode kernel tiles one block with tl.arange, which needs a power of two.
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

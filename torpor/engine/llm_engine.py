@@ -113,7 +113,7 @@ class LLMEngine:
         driver = self.executor.driver
         self.memory = memory  # rank 0's (the queries read it; sleep and wake reach every rank through the executor)
         self.config = self.executor.config  # with the profiled number of KV blocks
-        model_config = driver.runner.model_config
+        self.model_config = model_config = driver.runner.model_config
         self.vocab_size = model_config.vocab_size
         manifest, ignored = Manifest.of_checkpoint(config.model), driver.runner.model.is_ignored_weight
         tags = memory.tags() if memory is not None else []
@@ -145,6 +145,10 @@ class LLMEngine:
             params.check_vocab(self.vocab_size)
         except OutOfVocabulary as exc:
             raise RequestError(str(exc), exc.field) from None
+        if params.return_routed_experts and not self.model_config.is_moe:
+            raise RequestError(f"return_routed_experts needs a mixture-of-experts model; "
+                               f"{self.model_config.architecture} has no routed experts",
+                               "return_routed_experts")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         token_ids, text = self._prompt_tokens(prompt)
@@ -247,7 +251,7 @@ class LLMEngine:
         if not seqs:
             return outputs
         output = self.executor.execute_model(seqs, is_prefill)
-        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs)
+        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs, output.routed_experts)
         return outputs + self._outputs(seqs)
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:

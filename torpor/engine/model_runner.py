@@ -11,7 +11,7 @@ buffer lands where sleep mode expects it:
     (no tag)     GPU: a profiling step sizes the KV cache; it leaves nothing behind
     runtime      the decode buffers, the sampler's state (incl. the penalties' token history), nested in it:
       kv_cache   the KV cache
-    workspace    GPU: the Triton decode workspace
+    workspace    MoE: the routed-experts buffer (routing_recorder.py); GPU: the Triton decode workspace
     cuda_graph   GPU: the pool of the decode CUDA graphs
 
 Steps allocate only temporaries, outside every tag (the engine's sleep empties PyTorch's cache of them).
@@ -46,9 +46,11 @@ from torpor.engine.lazy_jit import warm_triton_cache_key
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.models.config import DTYPES
 from torpor.engine.phase_times import phase
+from torpor.engine.routing_recorder import RoutingRecorder
 from torpor.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from torpor.engine.sequence import Sequence
 from torpor.engine.weights.background_load import BackgroundLoad
+from torpor.engine.weights.dummy import init_dummy_weights
 from torpor.engine.weights.index import checkpoint_bytes
 from torpor.engine.weights.loader import check_update, load_named_tensors, load_weights
 from torpor.engine.weights.staging import StagingBuffers
@@ -128,7 +130,12 @@ class ModelRunner:
         # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
         # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.
         self.pad_decode_batches = on_gpu
-        self._start_beside_load(config)
+        if config.load_format == "dummy":  # no checkpoint: drawn in place (weights/dummy.py)
+            with timed_phase("weight_init"):
+                init_dummy_weights(self.model, config.seed)
+            self._size_and_allocate(config, capture_error_mode="global")
+        else:
+            self._start_beside_load(config)
         if on_gpu:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device
 
@@ -185,7 +192,13 @@ class ModelRunner:
         buffers = config.max_num_seqs * (3 * 8 + 4 * (4 + config.max_num_blocks_per_seq)
                                          + self.model_config.hidden_size * self.dtype.itemsize) + 4
         sampler = Sampler.state_bytes(config.max_num_seqs, config.max_model_len)
-        return buffers + sampler + 4 * self._workspace_numel(config)
+        routing = RoutingRecorder.nbytes(self.model_config, self._routing_rows(config))
+        return buffers + sampler + routing + 4 * self._workspace_numel(config)
+
+    @staticmethod
+    def _routing_rows(config: EngineConfig) -> int:
+        """Rows of the largest forward: a prefill's tokens, a decode batch's (padded) rows."""
+        return max(config.max_num_batched_tokens, config.max_num_seqs)
 
     def _workspace_numel(self, config: EngineConfig) -> int:
         from torpor.engine.attention.triton_decode import decode_workspace_shape
@@ -214,6 +227,11 @@ class ModelRunner:
                                          self.dtype, self.device, config.block_size, config.num_kv_blocks,
                                          self._decode_group_size())
             self.sampler = Sampler(config.max_num_seqs, self.device, config.max_model_len, m.eos_token_ids)
+        self.routing: RoutingRecorder | None = None  # MoE: the experts each forward chose, before the graphs
+        self._sampled_rows: torch.Tensor | None = None  # the last forward's row of each sequence (None: row i)
+        if m.is_moe:
+            with self._tag("workspace"):
+                self.routing = RoutingRecorder(self.model, m, self._routing_rows(config), self.device)
         if self.device.type == "cuda":
             from torpor.engine.attention.triton_decode import alloc_decode_workspace
 
@@ -232,9 +250,13 @@ class ModelRunner:
         """The checkpoint at `path` into the existing parameters (same addresses: graphs stay valid), by
         the staged loader. Every header is checked first: a bad checkpoint raises CheckpointError and
         leaves the weights as they were; a failure after writing began raises CheckpointError with
-        `weights_written` (the caller treats the weights as a mix)."""
+        `weights_written` (the caller treats the weights as a mix). With `load_format="dummy"` the model folder's
+        weights are drawn again: the same values as at start-up."""
         with self.engine_stream.scope():
-            load_weights(self.model, path, self.staging)
+            if self.config.load_format == "dummy" and path == self.config.model:
+                init_dummy_weights(self.model, self.config.seed)
+            else:
+                load_weights(self.model, path, self.staging)
 
     def update_weights(self, named_tensors, strict: bool, reset_buffers: bool = True,
                        staged: bool = False) -> int:
@@ -270,7 +292,10 @@ class ModelRunner:
         """Run one scheduled batch and sample the next token of each sequence. A prefill also fills
         `seq.prompt_logprobs` of the sequences that asked for them (once, at their first prefill)."""
         with self.engine_stream.scope():
-            return self.sampler(self._compute_logits(seqs, is_prefill), seqs)
+            output = self.sampler(self._compute_logits(seqs, is_prefill), seqs)
+            if self.routing is not None:  # MoE: the routed experts of the sequences that asked
+                output.routed_experts = self.routing.collect(seqs, self._sampled_rows)
+            return output
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The batch's forward pass up to the logits [num_seqs, vocab_size] (what tensor-parallel
@@ -294,6 +319,7 @@ class ModelRunner:
             if seq.sampling_params.prompt_logprobs is not None and seq.prompt_logprobs is None:
                 self._prompt_logprobs(seq, hidden, start)
         logits = self.model.compute_logits(hidden[batch.last_indices])  # [len(computed), vocab]
+        self._sampled_rows = batch.last_indices
         if len(computed) == len(seqs):
             return logits
         rows, row = [], -1  # the logits row of each of `seqs`
@@ -306,7 +332,9 @@ class ModelRunner:
                 seq.prompt_logprobs = parent.prompt_logprobs
             rows.append(row)
         self._copy_blocks([seq.fork_copy for seq in seqs if seq.fork_copy is not None])
-        return logits[torch.tensor(rows, device=logits.device)]
+        rows = torch.tensor(rows, device=logits.device)
+        self._sampled_rows = batch.last_indices[rows]
+        return logits[rows]
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """KV blocks copied source -> destination in every layer (the forked samples' last prompt blocks)."""
@@ -331,6 +359,7 @@ class ModelRunner:
         num_seqs = len(seqs)
         batch_size = self.config.padded_batch_size(num_seqs) if self.pad_decode_batches else num_seqs
         max_context_len = self.buffers.load(seqs, batch_size)
+        self._sampled_rows = None
         if self.graphs is not None:
             hidden = self.graphs.replay(self.buffers, batch_size)
         else:

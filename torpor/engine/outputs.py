@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from torpor.engine.sequence import FinishReason, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -27,6 +29,9 @@ class CompletionOutput:
     # stop string is held back until resolved). The deltas of all outputs add up to `text` / `token_ids`.
     delta_text: str = ""
     delta_start: int = 0                          # token_ids[delta_start:] are the new tokens
+    # return_routed_experts (MoE): numpy [len(token_ids), moe layers, top_k], the experts each token's forward pass
+    # chose (format: torpor/engine/routed_experts.py); None otherwise
+    routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -39,6 +44,10 @@ class CompletionOutput:
     @property
     def delta_logprobs(self) -> list[TokenLogprobs] | None:
         return None if self.logprobs is None else self.logprobs[self.delta_start:]
+
+    @property
+    def delta_routed_experts(self) -> np.ndarray | None:
+        return None if self.routed_experts is None else self.routed_experts[self.delta_start:]
 
 
 @dataclass
@@ -76,6 +85,7 @@ class RequestOutput:
             stop_reason=seq.stop_reason,
             delta_text=delta_text,
             delta_start=delta_start,
+            routed_experts=None if seq.routed_experts is None else _routed_rows(seq),
         ) for seq, text, delta_text, delta_start in zip(seqs, texts, delta_texts, delta_starts, strict=True)]
         return cls(
             request_id=first.request_id,
@@ -86,3 +96,9 @@ class RequestOutput:
             finished=all(seq.is_finished for seq in seqs),
             num_cached_tokens=first.num_prefix_cached_tokens,
         )
+
+
+def _routed_rows(seq: Sequence) -> np.ndarray:
+    """The sequence's routed experts, one row per output token (a view: the rows are never written again)."""
+    rows = seq.routed_experts.rows()
+    return rows if rows is not None else np.zeros((0, 0, 0), dtype=np.int16)  # no token yet (aborted while queued)

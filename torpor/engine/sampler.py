@@ -126,6 +126,9 @@ class BatchParams:
 class SamplerOutput:
     token_ids: list[int]                        # one per sequence
     logprobs: list[TokenLogprobs | None]        # None where params.logprobs is None
+    # MoE: per sequence, the [moe layers, top_k] experts chosen (numpy) where params.return_routed_experts, else
+    # None; None when no sequence asked (filled by the model runner: routing_recorder.py)
+    routed_experts: list | None = None
 
 
 class Sampler:

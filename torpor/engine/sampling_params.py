@@ -50,6 +50,8 @@ class SamplingParams:
     stay those of the model's raw logits.
     n: completions to sample from the prompt (>= 1; the engine caps it at `EngineConfig.max_n`). The
         prompt is computed once and its KV blocks shared; sample i draws from its own seed stream.
+    return_routed_experts: MoE models only: each completion's `routed_experts`, the experts every sparse layer
+        chose for each output token (see torpor/engine/routed_experts.py for the format).
     """
 
     temperature: float = 1.0
@@ -71,6 +73,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
     n: int = 1
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         # Normalise the list-like fields to tuples so the params stay hashable and immutable.
@@ -128,7 +131,7 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for token_id, bias in self.logit_bias:

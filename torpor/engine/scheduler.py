@@ -214,20 +214,22 @@ class Scheduler:
 
     # --- results -------------------------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int],
-                    logprobs: list[TokenLogprobs | None] | None = None) -> list[Sequence]:
-        """Append each sequence's sampled token and finish those that hit a stop condition
-        (eos unless ignore_eos, stop_token_ids, max_tokens, max_model_len). Stop strings need
-        text: the engine checks them after detokenizing and calls `finish(seq, "stop", s)`.
+                    logprobs: list[TokenLogprobs | None] | None = None,
+                    routed_experts: list | None = None) -> list[Sequence]:
+        """Append each sequence's sampled token (its logprobs, its routed experts: `SamplerOutput`'s) and finish
+        those that hit a stop condition (eos unless ignore_eos, stop_token_ids, max_tokens, max_model_len). Stop
+        strings need text: the engine checks them after detokenizing and calls `finish(seq, "stop", s)`.
         Returns the sequences finished here."""
         if len(token_ids) != len(seqs) or (logprobs is not None and len(logprobs) != len(seqs)):
             raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} tokens / "
                              f"{None if logprobs is None else len(logprobs)} logprobs")
         finished = []
-        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs or itertools.repeat(None, len(seqs)),
-                                                 strict=True):
+        logprobs = logprobs or itertools.repeat(None, len(seqs))
+        routed_experts = routed_experts or itertools.repeat(None, len(seqs))
+        for seq, token_id, token_logprobs, routed in zip(seqs, token_ids, logprobs, routed_experts, strict=True):
             if seq.status is FINISHED:  # aborted while its step ran: drop the token
                 continue
-            seq.append_token(token_id, token_logprobs)
+            seq.append_token(token_id, token_logprobs, routed)
             reason, stop_reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason, stop_reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import Literal
 
+from torpor.engine.routed_experts import RoutedExperts
 from torpor.engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -60,6 +61,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.output_logprobs: list[TokenLogprobs] = []
+        # return_routed_experts: the experts each output token's forward pass chose ([layers, top_k] per token)
+        self.routed_experts: RoutedExperts | None = RoutedExperts() if self.sampling_params.return_routed_experts \
+            else None
         # Set once by the engine at the first prefill; a recompute after preemption keeps it.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.arrival = -1                                     # set by Scheduler.add
@@ -123,10 +127,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is FINISHED
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        """Record a sampled token; every token computed so far is now in the KV cache."""
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None, routed_experts=None) -> None:
+        """Record a sampled token (with its logprobs, and the experts its forward pass chose: a numpy
+        [layers, top_k]); every token computed so far is now in the KV cache."""
         self.num_cached_tokens = len(self.token_ids)
         self.shares_prefill, self.fork_copy = False, None
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+        if routed_experts is not None and self.routed_experts is not None:
+            self.routed_experts.append(routed_experts)

@@ -247,7 +247,8 @@ async def _stream_events(streams: list[RequestStream], fmt: ResponseFormat, n: i
                 if completion.finish_reason is not None:
                     ended.add(index)
                 yield _sse(fmt.chunk(completion.delta_text, completion.delta_token_ids, completion.delta_logprobs,
-                                     completion.finish_reason, index, completion.stop_reason))
+                                     completion.finish_reason, index, completion.stop_reason,
+                                     completion.delta_routed_experts))
             if output.finished:
                 num_open -= 1
                 num_output_tokens += sum(len(c.token_ids) for c in output.outputs)

@@ -4,7 +4,7 @@ Every option is honoured or refused with a 400 naming it (`code: "unsupported_pa
 - `n` (samples per prompt; a list of prompts in /v1/completions is a batch), the penalties, `logit_bias`
   (token id strings -> [-100, 100]) and vLLM's extra sampling fields (`top_k`, `min_p`,
   `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-  `include_stop_str_in_output`) go into `SamplingParams`;
+  `include_stop_str_in_output`) and SGLang's `return_routed_experts` (MoE models) go into `SamplingParams`;
 - declared fields torpor cannot honour with a non-default value (echo, suffix, best_of,
   response_format, tools, tool_choice) are refused by `check_supported`;
 - any other field, at the top level, in a message or in a content part, is refused by
@@ -108,6 +108,7 @@ class GenerationRequest(BaseModel):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    return_routed_experts: bool | None = None  # SGLang's name (MoE models): each choice's routed experts
 
     def check_supported(self) -> None:
         unsupported: dict[str, Any] = {"response_format": self.response_format not in (None, {"type": "text"})}
@@ -165,7 +166,7 @@ class GenerationRequest(BaseModel):
 
 
 _OPTIONAL_SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                             "skip_special_tokens", "include_stop_str_in_output")
+                             "skip_special_tokens", "include_stop_str_in_output", "return_routed_experts")
 
 
 class CompletionRequest(GenerationRequest):

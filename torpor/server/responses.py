@@ -6,11 +6,17 @@ from __future__ import annotations
 import time
 
 from torpor.engine.outputs import RequestOutput, TokenLogprobs
+from torpor.engine.routed_experts import encode
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
             "total_tokens": num_prompt_tokens + num_output_tokens}
+
+
+def _routed(routed_experts) -> dict:
+    """A choice's `routed_experts` (asked for with `return_routed_experts`; format: torpor/engine/routed_experts.py)."""
+    return {} if routed_experts is None else {"routed_experts": encode(routed_experts)}
 
 
 class ResponseFormat:
@@ -42,14 +48,16 @@ class ResponseFormat:
                 index = i * len(out.outputs) + completion.index
                 choice = self._choice(completion.text, completion.token_ids, completion.logprobs,
                                       completion.finish_reason, whole=True, index=index)
-                choices.append({**choice, "stop_reason": completion.stop_reason})
+                choices.append({**choice, "stop_reason": completion.stop_reason,
+                                **_routed(completion.routed_experts)})
                 num_output_tokens += len(completion.token_ids)
         return self._envelope(self.object, choices, usage=usage(num_prompt_tokens, num_output_tokens))
 
     def chunk(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
-              finish_reason: str | None, index: int = 0, stop_reason: int | str | None = None) -> dict:
+              finish_reason: str | None, index: int = 0, stop_reason: int | str | None = None,
+              routed_experts=None) -> dict:
         choice = self._choice(text, token_ids, logprobs, finish_reason, whole=False, index=index)
-        return self._envelope(self.chunk_object, [{**choice, "stop_reason": stop_reason}])
+        return self._envelope(self.chunk_object, [{**choice, "stop_reason": stop_reason, **_routed(routed_experts)}])
 
     def usage_chunk(self, num_prompt_tokens: int, num_output_tokens: int) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage(num_prompt_tokens, num_output_tokens))

@@ -38,10 +38,13 @@ def make_model(
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    config_only: bool = False,
 ) -> Path:
     """Write preset `preset` into `out_dir` (created if needed): config.json, generation_config.json,
     model.safetensors (or shards + model.safetensors.index.json), tokenizer.json, tokenizer_config.json.
-    `dtype` defaults to the preset's (bfloat16). Same arguments, byte-identical files."""
+    `dtype` defaults to the preset's (bfloat16). Same arguments, byte-identical files. `config_only`: everything
+    but the weights, for an engine with `load_format="dummy"` (a 30B geometry on a machine without the disk for
+    its 61 GB)."""
     spec = get_preset(preset)
     dtype_name = _dtype_name(dtype)
     out = Path(out_dir)
@@ -56,9 +59,15 @@ def make_model(
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
     _write_json(out / "tokenizer_config.json", tokenizer_config(spec))
-    specs = weight_specs(model_config)
-    _write_weights(out, specs, DTYPES[dtype_name], seed, max_shard_bytes, progress)
+    if not config_only:
+        _write_weights(out, weight_specs(model_config), DTYPES[dtype_name], seed, max_shard_bytes, progress)
     return out
+
+
+def preset_bytes(preset: str, dtype: str | torch.dtype | None = None) -> int:
+    """The bytes of `preset`'s weights in `dtype` (default bfloat16), without writing anything."""
+    config = ModelConfig.from_dict(config_json(get_preset(preset), _dtype_name(dtype)))
+    return sum(tensor_nbytes(shape, DTYPES[_dtype_name(dtype)]) for _, shape in weight_specs(config))
 
 
 def default_model_path() -> Path:
@@ -113,6 +122,9 @@ def weight_specs(config: ModelConfig) -> list[TensorSpec]:
         if config.qk_norm:
             specs += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         specs.append((p + "post_attention_layernorm.weight", (h,)))
+        if i in config.moe_layers:
+            specs += _expert_specs(config, p)
+            continue
         for proj, shape in (("gate_proj", (config.intermediate_size, h)), ("up_proj", (config.intermediate_size, h)),
                             ("down_proj", (h, config.intermediate_size))):  # fmt: skip
             specs.append((f"{p}mlp.{proj}.weight", shape))
@@ -121,6 +133,17 @@ def weight_specs(config: ModelConfig) -> list[TensorSpec]:
     specs.append(("model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
         specs.append(("lm_head.weight", (config.vocab_size, h)))
+    return specs
+
+
+def _expert_specs(config: ModelConfig, prefix: str) -> list[TensorSpec]:
+    """A sparse layer's MLP as Qwen3-MoE checkpoints hold it: the router, then each expert's three projections."""
+    h, i = config.hidden_size, config.moe_intermediate_size
+    specs: list[TensorSpec] = [(prefix + "mlp.gate.weight", (config.num_experts, h))]
+    for e in range(config.num_experts):
+        expert = f"{prefix}mlp.experts.{e}."
+        specs += [(expert + "gate_proj.weight", (i, h)), (expert + "up_proj.weight", (i, h)),
+                  (expert + "down_proj.weight", (h, i))]
     return specs
 
 

@@ -142,6 +142,20 @@ def _qwen3(**geometry: Any) -> dict[str, Any]:
     }
 
 
+def _qwen3_moe(**geometry: Any) -> dict[str, Any]:
+    return {
+        **_qwen3(**geometry),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        **geometry,
+    }
+
+
 def _geometry(hidden, intermediate, layers, heads, kv_heads, vocab, max_pos, tie, **extra) -> dict[str, Any]:
     return {
         "hidden_size": hidden,
@@ -178,10 +192,21 @@ PRESETS = {
             CHATML,
             151643,
         ),
+        Preset(
+            "qwen3-30b-a3b",
+            _qwen3_moe(**_geometry(2048, 6144, 48, 32, 4, 151936, 40960, False, head_dim=128, max_window_layers=48,
+                                   num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)),
+            CHATML,
+            151643,
+        ),
         # Tiny models: a few hundred KB, one per architecture. head_dim != hidden / heads on purpose.
         Preset("tiny", _qwen3(**_geometry(64, 128, 2, 4, 2, 1024, 4096, True, head_dim=32)), CHATML),
         Preset("tiny-llama", _llama(**_geometry(64, 160, 2, 4, 2, 1024, 16384, False)), LLAMA3),
         Preset("tiny-qwen2", _qwen2(**_geometry(64, 128, 2, 4, 2, 1024, 4096, True)), CHATML),
+        # 8 experts, top 2, layer 1 dense (mlp_only_layers): both MLP paths in three layers.
+        Preset("tiny-moe", _qwen3_moe(**_geometry(64, 96, 3, 4, 2, 1024, 4096, False, head_dim=32, num_experts=8,
+                                                  num_experts_per_tok=2, moe_intermediate_size=48,
+                                                  mlp_only_layers=[1])), CHATML),
     )
 }
 

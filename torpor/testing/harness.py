@@ -4,7 +4,8 @@ A fixed batch of requests (mixed lengths, greedy and seeded sampling, output and
 every fourth one sharing a prefix with the others of its kind and sampling n = 2 completions, so the
 prefix cache and forked samples are exercised) runs once awake, from an empty prefix cache; after
 every kind of sleep and wake the same batch runs again and must match the first round exactly:
-token ids, text, every output logprob and every prompt logprob.
+token ids, text, every output logprob and every prompt logprob (and a MoE model's routed experts, where
+the requests ask for them).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from torpor.engine.outputs import RequestOutput
@@ -64,6 +66,9 @@ def differences(reference: list[RequestOutput], outputs: list[RequestOutput]) ->
                                 ("logprobs", a.logprobs, b.logprobs)):
                 if x != y:
                     found.append(f"request {i} sample {a.index}: {field} differ")
+            if (a.routed_experts is None) != (b.routed_experts is None) or (
+                    a.routed_experts is not None and not np.array_equal(a.routed_experts, b.routed_experts)):
+                found.append(f"request {i} sample {a.index}: routed_experts differ")
         if ref.prompt_logprobs != out.prompt_logprobs:
             found.append(f"request {i}: prompt_logprobs differ")
     return found

@@ -1,4 +1,4 @@
-"""Model geometry parsed from a Hugging Face `config.json` (Llama 3, Qwen2/2.5, Qwen3)."""
+"""Model geometry parsed from a Hugging Face `config.json` (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 from torpor.engine.config import DTYPE_NAMES
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # name -> torch dtype
 
@@ -50,6 +51,18 @@ class ModelConfig:
     torch_dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (Qwen3-MoE); 0 / () for dense models. `moe_layers`: the decoder layers whose MLP is
+    # the sparse block (every `decoder_sparse_step`-th, less `mlp_only_layers`); the others keep the dense MLP
+    # of `intermediate_size`. No shared experts (Qwen3-MoE has none).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @property
     def q_size(self) -> int:
@@ -111,11 +124,12 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         rope_theta, rope_scaling = _parse_rope(d)
+        num_layers = _positive_int(d, "num_hidden_layers")
         return cls(
             architecture=arch,
             hidden_size=hidden_size,
             intermediate_size=_positive_int(d, "intermediate_size"),
-            num_hidden_layers=_positive_int(d, "num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
@@ -128,10 +142,11 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=_parse_dtype(d.get("torch_dtype") or d.get("dtype") or "float32"),
             bos_token_id=next(iter(_id_tuple(d.get("bos_token_id"), "bos_token_id")), None),
             eos_token_ids=_id_tuple(d.get("eos_token_id"), "eos_token_id"),
+            **(_parse_moe(d, num_layers) if arch in MOE_ARCHITECTURES else {}),
         )
 
 
@@ -204,6 +219,28 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         high_freq_factor=high,
         original_max_position_embeddings=_positive_int(rope, "original_max_position_embeddings"),
     )
+
+
+def _parse_moe(d: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config (transformers >= 5 writes `num_local_experts` for `num_experts`)."""
+    experts_key = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
+    num_experts = _positive_int(d, experts_key)
+    top_k = _positive_int(d, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) exceeds {experts_key} ({num_experts})")
+    step = _positive_int(d, "decoder_sparse_step", 1)
+    dense = d.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+                                              for i in dense):
+        raise ValueError(f"mlp_only_layers must be a list of layer indices in [0, {num_layers}), got {str(dense)[:50]}")
+    norm = d.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ValueError(f"norm_topk_prob must be true or false, got {norm!r}")
+    # transformers' Qwen3MoeDecoderLayer: sparse where not mlp-only and (layer + 1) % decoder_sparse_step == 0
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=_positive_int(d, "moe_intermediate_size"), norm_topk_prob=norm,
+                moe_layers=layers)
 
 
 def _parse_dtype(name: object) -> torch.dtype:

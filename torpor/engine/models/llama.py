@@ -1,6 +1,8 @@
-"""One decoder for Llama 3, Qwen2/2.5 and Qwen3; the differences are config flags (qkv bias, qk norm,
-tied embeddings, RoPE scaling). Module and parameter names follow the Hugging Face checkpoints, except
-the fused `qkv_proj` and `gate_up_proj` (see `packed_modules_mapping`)."""
+"""One decoder for Llama 3, Qwen2/2.5, Qwen3 and Qwen3-MoE; the differences are config flags (qkv bias, qk norm,
+tied embeddings, RoPE scaling, the sparse layers). Module and parameter names follow the Hugging Face
+checkpoints, except the fused `qkv_proj` and `gate_up_proj` (see `packed_modules_mapping`) and the experts,
+fused per layer as transformers >= 5 holds them (`mlp.experts.gate_up_proj` / `down_proj`; a checkpoint's
+per-expert names map onto them: `resolve_weight_name`)."""
 
 from typing import ClassVar
 
@@ -15,6 +17,7 @@ from torpor.engine.models.layers.activation import SiluAndMul
 from torpor.engine.models.layers.attention import Attention
 from torpor.engine.models.layers.embedding import VocabEmbedding, gather_logits
 from torpor.engine.models.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from torpor.engine.models.layers.moe import EXPERT_WEIGHT, PROJECTIONS, SparseMoeBlock
 from torpor.engine.models.layers.norm import RMSNorm
 from torpor.engine.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -71,12 +74,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        if layer in config.moe_layers:
+            self.mlp: nn.Module = SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                                 config.moe_intermediate_size, config.norm_topk_prob)
+        else:
+            self.mlp = LlamaMLP(config)
 
     def forward(
         self,
@@ -98,7 +105,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
@@ -149,3 +156,31 @@ class LlamaForCausalLM(nn.Module):
     def is_ignored_weight(self, name: str) -> bool:
         """Checkpoint tensors that have no parameter here and are safe to skip."""
         return "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight")
+
+    def resolve_weight_name(self, name: str) -> tuple[str, object]:
+        """Checkpoint name -> (parameter name, shard id): `experts.{e}.gate_proj.weight` -> (`experts.gate_up_proj`,
+        ("gate_proj", e)), `down_proj` -> (`experts.down_proj`, ("down_proj", e)); q/k/v and gate/up of the dense
+        layers by `packed_modules_mapping`; any other name is its parameter's, whole (shard None)."""
+        expert = EXPERT_WEIGHT.match(name)
+        if expert is not None:
+            prefix, index, projection = expert.groups()
+            fused_name = "down_proj" if projection == "down_proj" else "gate_up_proj"
+            return f"{prefix}.{fused_name}", (projection, int(index))
+        for module, (fused_module, shard_id) in self.packed_modules_mapping.items():
+            if f".{module}." in name:
+                return name.replace(f".{module}.", f".{fused_module}."), shard_id
+        return name, None
+
+    def checkpoint_name(self, param_name: str, shard_id: object) -> str:
+        """The checkpoint name of a parameter's shard (the inverse of `resolve_weight_name`), for error messages."""
+        if isinstance(shard_id, tuple) and shard_id[0] in PROJECTIONS:
+            return f"{param_name.rsplit('.', 1)[0]}.{shard_id[1]}.{shard_id[0]}.weight"
+        for module, (fused_module, shard) in self.packed_modules_mapping.items():
+            if shard == shard_id and f".{fused_module}." in param_name:
+                return param_name.replace(f".{fused_module}.", f".{module}.")
+        return param_name
+
+    @property
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The sparse MLP blocks, in layer order (empty for a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]

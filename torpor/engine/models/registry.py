@@ -12,6 +12,7 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": ("torpor.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("torpor.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("torpor.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("torpor.engine.models.llama", "LlamaForCausalLM"),
 }
 
 

@@ -111,10 +111,21 @@ def _plan(model: nn.Module, sources: Iterable[tuple[str, torch.Size | Sequence[i
         plan = _source_plan(model, name, tuple(int(d) for d in shape), dtype)
         if want_copies:
             copies.extend(plan.copies)
-        loaded.add((plan.param_name, plan.shard_id))
+        _mark_loaded(loaded, parameters_of(model), plan.param_name, plan.shard_id)
     if strict:
-        _check_complete(parameters_of(model), loaded, getattr(model, "packed_modules_mapping", {}))
+        _check_complete(model, parameters_of(model), loaded)
     return copies
+
+
+def _mark_loaded(loaded: set[tuple[str, object]], params: dict[str, nn.Parameter], param_name: str,
+                 shard_id: object) -> None:
+    """Record that (param_name, shard_id) was written; a whole tensor (shard None) of a parameter with shards (the
+    fused experts given as one tensor) covers every shard."""
+    shards = getattr(params[param_name], "shard_ids", None) if shard_id is None else None
+    if shards is None:
+        loaded.add((param_name, shard_id))
+    else:
+        loaded.update((param_name, s) for s in shards)
 
 
 def _source_plan(model: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> _SourcePlan:
@@ -124,7 +135,7 @@ def _source_plan(model: nn.Module, name: str, shape: tuple[int, ...], dtype: tor
     plan = plans.get(key)
     if plan is None:
         params = parameters_of(model)
-        param_name, shard_id = _resolve(name, getattr(model, "packed_modules_mapping", {}))
+        param_name, shard_id = _resolve(model, name)
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[param_name]
@@ -152,7 +163,7 @@ def copy_checked(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tens
             base = tensor.storage_offset()
             for c in plan.copies:
                 c.dst.copy_(tensor.as_strided(c.src.shape, c.src.stride(), base + c.src.storage_offset()))
-            loaded.add((plan.param_name, plan.shard_id))
+            _mark_loaded(loaded, parameters_of(model), plan.param_name, plan.shard_id)
     return len(loaded)
 
 
@@ -370,21 +381,20 @@ def load_named_tensors(
     if values_checked:
         return copy_checked(model, named_tensors)
     params = parameters_of(model)
-    packed = getattr(model, "packed_modules_mapping", {})
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     loaded: set[tuple[str, object]] = set()
     with _a_mix_if_written(loaded):
-        _load_each(model, params, named_tensors, packed, is_ignored, loaded, strict)
+        _load_each(model, params, named_tensors, is_ignored, loaded, strict)
     return len(loaded)
 
 
-def _load_each(model: nn.Module, params: dict[str, nn.Parameter], named_tensors: Iterable, packed: dict,
-               is_ignored, loaded: set[tuple[str, object]], strict: bool) -> None:
+def _load_each(model: nn.Module, params: dict[str, nn.Parameter], named_tensors: Iterable, is_ignored,
+               loaded: set[tuple[str, object]], strict: bool) -> None:
     with torch.no_grad():
         for name, tensor in named_tensors:
             if is_ignored(name):
                 continue
-            param_name, shard_id = _resolve(name, packed)
+            param_name, shard_id = _resolve(model, name)
             if param_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
             if not isinstance(tensor, torch.Tensor):
@@ -397,15 +407,15 @@ def _load_each(model: nn.Module, params: dict[str, nn.Parameter], named_tensors:
                 weight_loader(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-            loaded.add((param_name, shard_id))
+            _mark_loaded(loaded, params, param_name, shard_id)
     if strict:
-        _check_complete(params, loaded, packed)
+        _check_complete(model, params, loaded)
 
 
-def _check_complete(params: dict, loaded: set, packed: dict) -> None:
+def _check_complete(model: nn.Module, params: dict, loaded: set) -> None:
     """ValueError naming the checkpoint tensors (Hugging Face names) that no loaded shard covered."""
     expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
-    missing = sorted(_hf_name(n, s, packed) for n, s in expected - loaded)
+    missing = sorted(_hf_name(model, n, s) for n, s in expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
@@ -428,16 +438,24 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise CheckpointError(f"{label}: {e}") from None
 
 
-def _resolve(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
-    """Checkpoint name -> (parameter name, shard id); e.g. q_proj -> (qkv_proj, "q")."""
-    for module, (fused, shard_id) in packed.items():
+def _resolve(model: nn.Module, name: str) -> tuple[str, object]:
+    """Checkpoint name -> (parameter name, shard id); e.g. q_proj -> (qkv_proj, "q"): the model's own
+    `resolve_weight_name` where it has one (the fused experts), else its `packed_modules_mapping`."""
+    resolve = getattr(model, "resolve_weight_name", None)
+    if resolve is not None:
+        return resolve(name)
+    for module, (fused, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{module}." in name:
             return name.replace(f".{module}.", f".{fused}."), shard_id
     return name, None
 
 
-def _hf_name(param_name: str, shard_id: object, packed: dict[str, tuple[str, object]]) -> str:
-    for module, (fused, shard) in packed.items():
+def _hf_name(model: nn.Module, param_name: str, shard_id: object) -> str:
+    """The checkpoint name of a parameter's shard (the inverse of `_resolve`)."""
+    name_of = getattr(model, "checkpoint_name", None)
+    if name_of is not None:
+        return name_of(param_name, shard_id)
+    for module, (fused, shard) in getattr(model, "packed_modules_mapping", {}).items():
         if shard == shard_id and f".{fused}." in param_name:
             return param_name.replace(f".{fused}.", f".{module}.")
     return param_name

@@ -132,7 +132,7 @@ class WeightReceiver:
         else:
             if update is not None:
                 update.written |= set(names)
-            completed = lc.weights_written(names)
+            completed = lc.weights_written(self.manifest.covered(names))  # a fused tensor covers its parts
         if completed:
             self.executor.collective_rpc("reset_buffers")  # discarded with the weights; recomputed once, here
         if push is None or push.last:
