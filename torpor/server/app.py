@@ -18,6 +18,7 @@ from torpor.server.config import ServerConfig
 from torpor.server.errors import SafeJSONResponse, install_error_handlers
 from torpor.server.middleware import BodyLimit, CountRequests
 from torpor.server.openapi import openapi_schema
+from torpor.server.prompts import Prompts
 from torpor.server.state import ServerState
 
 # Who may call what. Public: /health, /is_sleeping. Behind the API key when one is set: /v1/*,
@@ -30,6 +31,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     engine thread starts with the app (ASGI lifespan) and stops with it."""
     allowed = config.allowed_weights_dir or Path(engine.config.model).parent
     server = ServerState(AsyncEngine(engine), config, Path(os.path.realpath(allowed)))
+    prompts = Prompts(engine.tokenizer, engine.config.max_model_len, config.max_prompts_per_request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -38,6 +40,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             yield
         finally:
             server.engine.stop()
+            prompts.close()
             if server.weights is not None:
                 server.weights.close()
 
@@ -45,6 +48,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                   lifespan=lifespan, default_response_class=SafeJSONResponse, openapi_url=None, docs_url=None,
                   redoc_url=None)  # the schema and docs routes below, behind the API key
     app.state.server = server
+    app.state.prompts = prompts  # tokenization off the event loop (prompts.py)
     app.openapi = lambda: openapi_schema(app)
     install_error_handlers(app)
     app.include_router(openai_api.router)
@@ -54,6 +58,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.include_router(weights_api.router)
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
     async def health() -> Response:
         """200 while the engine thread runs (asleep or not), 503 once it has stopped."""
         if not server.engine.alive:

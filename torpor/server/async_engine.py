@@ -45,6 +45,7 @@ class AsyncEngine:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
+        self.weight_version: str = "default"
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its stream's queue; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -92,8 +92,9 @@ def engine_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
-    if isinstance(exc, EngineStepError):
-        return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, EngineStepError):  # the step's error (torch's text, paths) is in the server log only
+        return APIError(500, "the engine failed while serving this request; the server log has the details",
+                        code="engine_error")
     if isinstance(exc, ValueError | TypeError | FileNotFoundError):
         return APIError(400, str(exc))
     if is_safetensors_error(exc):  # a bad checkpoint file is the client's (11.6)
@@ -101,7 +102,7 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, RuntimeError) and not isinstance(exc, TorporMemoryError):
         return APIError(409, str(exc))
     logger.error("engine error", exc_info=exc)
-    return APIError(500, f"engine error: {type(exc).__name__}: {exc}")
+    return APIError(500, f"internal error ({type(exc).__name__}); the server log has the details")
 
 
 def install_error_handlers(app: FastAPI) -> None:
