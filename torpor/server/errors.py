@@ -128,7 +128,7 @@ def validation_error(errors: list[dict]) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query") and not _union_tag(part)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
@@ -146,6 +146,15 @@ def validation_error(errors: list[dict]) -> APIError:
     message = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own message
     return APIError(400, message if param and message.startswith(param) else
                     f"{param}: {message}" if param else message, param=param)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "bool", "float", "dict", "list", "none", "null"})
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a part of a pydantic error location names a member of a union (`list[int]`, `bool`, a model's
+    class name) rather than a field: a client's field path leaves those out."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES or part[:1].isupper())
 
 
 def is_safetensors_error(exc: BaseException) -> bool:
