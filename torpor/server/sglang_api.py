@@ -47,7 +47,8 @@ public_router = APIRouter()  # /health_generate: public, as SGLang keeps /health
 HEALTH_CHECK_TIMEOUT = 20.0  # SGLang's: a one-token generation that has not answered by then is unhealthy
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@router.post("/generate")
+@router.put("/generate", include_in_schema=False)  # SGLang takes both
 async def generate(body: GenerateRequest, request: Request):
     server: ServerState = request.app.state.server
     start = time.perf_counter()
