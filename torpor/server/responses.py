@@ -239,8 +239,8 @@ class ChatFormat(ResponseFormat):
                 delta["tool_calls"] = calls
             if finish is not None and stream.called:
                 finish = "tool_calls"
-        if not delta and finish is None:
-            if token_ids:  # nothing to say yet: these tokens go out with the next chunk
+        if not delta and finish is None and (self.tool_parser is not None or not token_ids):
+            if token_ids:  # the tool-call parser has nothing to say yet: these tokens go with its next chunk
                 self._held[index] = (token_ids, logprobs or [])
             return None
         if finish is not None:
