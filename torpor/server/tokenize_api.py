@@ -10,10 +10,10 @@ off the event loop and a text too long for the context is refused before it is t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
 from torpor.engine.chat_template import ChatTemplateError
 from torpor.server.auth import require_api_key
@@ -50,12 +50,21 @@ class TokenizeChatRequest(_Request):
     tools: list[dict[str, Any]] | None = None
 
 
+def _form(body: Any) -> str:
+    return "Chat" if isinstance(body, dict) and "messages" in body else "Completion"
+
+
+# One form by its fields ("messages" or not), so a 400 names the field of that form, not of both.
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("Completion")]
+                            | Annotated[TokenizeChatRequest, Tag("Chat")], Discriminator(_form)]
+
+
 class DetokenizeRequest(_Request):
     tokens: list[StrictInt]  # true is not token 1
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     server: ServerState = request.app.state.server
     _check_model(server, body.model)
     check_unicode(body)
