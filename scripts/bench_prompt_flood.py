@@ -30,7 +30,6 @@ from pathlib import Path
 import httpx
 
 
-
 def with_long_token(model: Path, length: int, folder: Path) -> Path:
     """A copy of `model` whose tokenizer's last vocabulary entry spells `length` characters."""
     copy = folder / "long-token"

@@ -7,7 +7,7 @@ shares it in 5 ms turns), except for short inputs, where the hop would cost more
 
 Nothing unbounded is started: a request holds at most `max_prompts_per_request` prompts, and a text
 longer than `max_model_len` times the longest token of the vocabulary (in characters; times 4 when the
-tokenizer normalizes, since NFC/NFKC may merge up to 4 code points into one) cannot fit in the context,
+tokenizer normalizes, since NFC may merge several code points into one) cannot fit in the context,
 so it is refused by its length alone, before anything reads it (vLLM bounds prompt text the same way).
 """
 
