@@ -7,6 +7,7 @@ a second engine; the cumulative stream; refusals by name; /health_generate, /get
 import itertools
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -309,3 +310,23 @@ def test_health_generate_and_infos(sgl, tiny_model_path):
     assert server["max_running_requests"] == ENGINE["max_num_seqs"] and server["page_size"] == ENGINE["block_size"]
     assert server["max_total_num_tokens"] > 0 and server["weight_version"] == "default"
     assert not {"api_key", "admin_api_key", "admin_token"} & set(server) and KEY not in json.dumps(server)
+
+
+def test_an_aborted_request_answers_its_partial_output(sgl):
+    """A sleep in mode abort (what a trainer's pause does) ends running requests: SGLang's finish reason
+    `{"type": "abort", ...}`, the tokens so far kept."""
+    http, admin, _, _ = sgl
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}
+    chunks = []
+    with ThreadPoolExecutor(1) as pool, http.stream("POST", "/generate", json=body) as response:
+        slept = None
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: "):]))
+                if slept is None:
+                    slept = pool.submit(admin.post, "/sleep", params={"level": 1, "mode": "abort"})
+        slept.result(timeout=30).raise_for_status()
+    admin.post("/wake_up").raise_for_status()
+    last = chunks[-1]["meta_info"]
+    assert last["finish_reason"]["type"] == "abort" and "message" in last["finish_reason"]
+    assert 1 <= last["completion_tokens"] < 120 and len(chunks[-1]["output_ids"]) == last["completion_tokens"]

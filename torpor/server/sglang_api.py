@@ -90,6 +90,9 @@ def _sampling_params(server: ServerState, item: Item, token_ids: list[int], prom
     param = f"{item.where}.max_new_tokens"
     if requested is not None and requested < 0:
         raise APIError(400, f"max_new_tokens must be at least 0, got {requested}.", param=param)
+    if requested == 0 and item.sampling.min_new_tokens:
+        raise APIError(400, "min_new_tokens must be in [0, max_new_tokens(0)], got "
+                            f"{item.sampling.min_new_tokens}.", param=f"{item.where}.min_new_tokens")
     room = max_model_len - num_input
     if requested is not None and requested > room:
         raise APIError(400, f"Requested token count exceeds the model's maximum context length of {max_model_len} "
@@ -118,7 +121,7 @@ class GenerateFormat:
     def __init__(self, server: ServerState, items: list[Item], params: list[SamplingParams], start: float,
                  body: GenerateRequest) -> None:
         self.items, self.params, self.start = items, params, start
-        self.tokenizer, self.weight_version = server.engine.tokenizer, server.engine.weight_version
+        self.engine, self.tokenizer = server.engine, server.engine.tokenizer
         self.with_text, self.log_metrics, self.metrics = body.return_text_in_logprobs, body.log_metrics, server.metrics
         self.return_prompt_token_ids = body.return_prompt_token_ids
         self._texts: dict[int, str | None] = {}
@@ -152,7 +155,9 @@ class GenerateFormat:
         token_ids = [] if prefill_only else completion.token_ids
         meta: dict[str, Any] = {"id": self._id(i, completion.index, len(output.outputs)),
                                 "finish_reason": self._finish(completion, params, prefill_only),
-                                "prompt_tokens": len(output.prompt_token_ids), "weight_version": self.weight_version,
+                                "prompt_tokens": len(output.prompt_token_ids),
+                                # the label now, as SGLang reads it for every output (an update may come mid-request)
+                                "weight_version": self.engine.weight_version,
                                 "completion_tokens": len(token_ids), "cached_tokens": output.num_cached_tokens}
         if item.return_logprob:
             self._logprobs(meta, item, output, token_ids, [] if prefill_only else completion.logprobs or [])
@@ -173,18 +178,18 @@ class GenerateFormat:
         reason = completion.finish_reason
         if reason is None:
             return None
+        if reason == "abort":
+            return {"type": "abort", "message": "the request was aborted"}
         if prefill_only:
             return {"type": "length", "length": 0}
         if reason == "length":
             return {"type": "length", "length": params.max_tokens}
-        if reason == "abort":
-            return {"type": "abort", "message": "the request was aborted"}
         matched = completion.stop_reason
         return {"type": "stop", "matched": completion.token_ids[-1] if matched is None else matched}
 
     def _logprobs(self, meta: dict, item: Item, output: RequestOutput, token_ids: list[int], logprobs: list) -> None:
         top = item.top_logprobs_num
-        start = max(item.logprob_start_len, 0) if item.logprob_start_len >= 0 else len(output.prompt_token_ids)
+        start = item.logprob_start_len if item.logprob_start_len >= 0 else len(output.prompt_token_ids)
         prompt = output.prompt_token_ids[start:]
         prompt_logprobs = (output.prompt_logprobs or [None] * len(output.prompt_token_ids))[start:]
         meta["input_token_logprobs"] = [[None if e is None else e[t], t, self._text(t)]
