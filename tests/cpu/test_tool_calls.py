@@ -170,6 +170,9 @@ def test_the_template_renders_tools_and_multi_turn_tool_messages(agent):
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
     assert "<|im_start|>toolsunny[call_1]<|im_end|>" in rendered
     assert answer.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
+    # /tokenize renders a conversation as chat completions does (a trainer rebuilds the rollout's prompt)
+    tokenized = http.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    assert tokenized == answer.json()["prompt_token_ids"]
 
 
 @pytest.mark.parametrize(("body", "param", "text"), [

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from torpor.engine.chat_template import ChatTemplateError
 from torpor.engine.generation_config import generation_defaults
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
@@ -78,11 +77,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_logprobs(body.top_logprobs, "top_logprobs")
     num_logprobs = body.num_logprobs()
     read_tools = body.resolve_tool_choice(server.config.enable_auto_tool_choice)
-    if body.continue_final_message and body.add_generation_prompt:
-        raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                       param="continue_final_message")
     conversation = body.conversation()
-    token_ids = await _render_chat(prompts_of(request), server.engine.tokenizer, body, conversation)
+    token_ids = await prompts_of(request).render(
+        conversation, body.tool_dicts(), add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
+        template_kwargs=template_kwargs(body.chat_template_kwargs))
     requested, param = body.max_tokens_field()
     max_tokens = _max_tokens(server, requested, default_max_tokens, len(token_ids), param, "messages")
     num_prompt_logprobs = None if body.stream else body.num_prompt_logprobs()  # a stream carries none
@@ -133,31 +132,6 @@ async def _completion_prompts(prompts: Prompts, items: list[str | list[int]]) ->
     texts = [item for item in items if isinstance(item, str)]
     encoded = iter(await prompts.encode(texts, True, "prompt") if texts else ())
     return [next(encoded) if isinstance(item, str) else list(item) for item in items]
-
-
-async def _render_chat(prompts: Prompts, tokenizer, body: ChatCompletionRequest, conversation: list[dict]) -> list[int]:
-    """The conversation rendered with the model's chat template and tokenized (off the event loop when long;
-    a rendering too long for the context is refused before it is tokenized)."""
-    kwargs = template_kwargs(body.chat_template_kwargs)
-    tools = body.tool_dicts()
-
-    def render() -> list[int]:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message, tools=tools, **kwargs)
-        prompts.check_length(text, "messages")
-        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-
-    size = sum(len(message["content"]) for message in conversation) + (len(str(tools)) if tools else 0)
-    try:
-        return await prompts.run(size, render)
-    except ChatTemplateError as exc:
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-    except TypeError:  # chat_template_kwargs naming an argument of the template call
-        raise APIError(400, "chat_template_kwargs: a key names an argument of the template call",
-                       param="chat_template_kwargs", code="unsupported_parameter") from None
-    except ValueError as exc:  # no chat template
-        raise APIError(400, f"{exc}: use /v1/completions with this model", param="messages",
-                       code="no_chat_template") from None
 
 
 async def _generate(request: Request, server: ServerState, endpoint: str, fmt: ResponseFormat,

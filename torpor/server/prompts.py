@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from torpor.engine.chat_template import ChatTemplateError
 from torpor.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -78,3 +79,32 @@ class Prompts:
         if size <= INLINE_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
+                     add_generation_prompt: bool, continue_final_message: bool, add_special_tokens: bool,
+                     template_kwargs: dict[str, Any]) -> list[int]:
+        """The conversation rendered with the model's chat template and tokenized; a rendering too long for
+        the context is refused before it is tokenized. Template failures are 400s naming `messages`."""
+        if continue_final_message and add_generation_prompt:
+            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                           param="continue_final_message")
+        tokenizer = self.tokenizer
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tools=tools,
+                                                 **template_kwargs)
+            self.check_length(text, "messages")
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        size = sum(len(message.get("content") or "") for message in conversation) + len(str(tools or ""))
+        try:
+            return await self.run(size, render)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        except TypeError:  # a key of chat_template_kwargs naming an argument of the template call
+            raise APIError(400, "chat_template_kwargs: a key names an argument of the template call",
+                           param="chat_template_kwargs", code="unsupported_parameter") from None
+        except ValueError as exc:  # no chat template
+            raise APIError(400, f"{exc}: use /v1/completions with this model", param="messages",
+                           code="no_chat_template") from None

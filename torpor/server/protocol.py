@@ -132,7 +132,7 @@ class GenerationRequest(BaseModel):
             if refused:
                 raise APIError(400, f"{field}={getattr(self, field)!r} is not supported by torpor", param=field,
                                code="unsupported_parameter")
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_dump(exclude_unset=True) and not self.stream:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
         self._check_prompt_logprobs()
 

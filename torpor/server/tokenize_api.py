@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
-from torpor.engine.chat_template import ChatTemplateError
 from torpor.server.auth import require_api_key
-from torpor.server.chat_protocol import template_kwargs
+from torpor.server.chat_protocol import ChatMessage, ToolParam, template_kwargs
 from torpor.server.errors import APIError
 from torpor.server.prompts import Prompts, prompts_of
 from torpor.server.protocol import check_unicode
@@ -40,14 +39,14 @@ class TokenizeCompletionRequest(_Request):
 
 
 class TokenizeChatRequest(_Request):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)  # checked and rendered as /v1/chat/completions does
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
 
 
 def _form(body: Any) -> str:
@@ -70,7 +69,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     check_unicode(body)
     tokenizer, prompts = server.engine.tokenizer, prompts_of(request)
     if isinstance(body, TokenizeChatRequest):
-        tokens = await _render(prompts, tokenizer, body)
+        tokens = await _render(prompts, body)
     else:
         (tokens,) = await prompts.encode([body.prompt], body.add_special_tokens, "prompt")
     return {"count": len(tokens), "max_model_len": server.engine.config.max_model_len, "tokens": tokens,
@@ -89,29 +88,15 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"prompt": server.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
-async def _render(prompts: Prompts, tokenizer, body: TokenizeChatRequest) -> list[int]:
+async def _render(prompts: Prompts, body: TokenizeChatRequest) -> list[int]:
     if body.chat_template is not None:  # templates are code: only the server's own run
         raise APIError(400, "chat_template in a request is not accepted; the server uses its model's template "
                             "(or --chat-template)", param="chat_template", code="unsupported_parameter")
-    kwargs = template_kwargs(body.chat_template_kwargs)
-
-    def render() -> list[int]:
-        text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message, tools=body.tools,
-                                             **kwargs)
-        prompts.check_length(text, "messages")
-        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-
-    size = sum(len(str(message.get("content") or "")) for message in body.messages) + len(str(body.tools or ""))
-    try:
-        return await prompts.run(size, render)
-    except ChatTemplateError as exc:
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-    except TypeError:  # a key of chat_template_kwargs naming an argument of the template call
-        raise APIError(400, "chat_template_kwargs: a key names an argument of the template call",
-                       param="chat_template_kwargs", code="unsupported_parameter") from None
-    except ValueError as exc:  # no template, malformed messages, clashing options
-        raise APIError(400, str(exc), param="messages") from None
+    return await prompts.render(
+        [message.for_template(i) for i, message in enumerate(body.messages)],
+        None if body.tools is None else [tool.for_template() for tool in body.tools],
+        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        add_special_tokens=body.add_special_tokens, template_kwargs=template_kwargs(body.chat_template_kwargs))
 
 
 def _check_model(server: ServerState, model: str | None) -> None:
