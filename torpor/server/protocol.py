@@ -44,6 +44,8 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
              if value is not None and name not in IGNORED_FIELDS]
     for name in type(model).model_fields:
         value = getattr(model, name)
+        if isinstance(value, list) and not any(isinstance(item, BaseModel) for item in value[:1]):
+            continue  # a list of values (a typed field's items share a kind): no model inside
         items = enumerate(value) if isinstance(value, list) else [(None, value)]
         for index, item in items:
             if isinstance(item, BaseModel) and not getattr(item, "ignore_extra_fields", False):
@@ -52,9 +54,13 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def invalid_unicode(value: Any, where: str = "") -> tuple[str, str] | None:
     """(dotted field name, the offending text) of the first string in `value` that is not valid
-    Unicode (a lone surrogate such as "\\ud800" in the JSON), or None."""
+    Unicode (a lone surrogate such as "\\ud800" in the JSON), or None. (Lists of numbers, a prompt's token
+    ids, are passed over in one C-level look at their element types: this runs for every request.)"""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -66,10 +72,14 @@ def invalid_unicode(value: Any, where: str = "") -> tuple[str, str] | None:
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list | tuple):
+        if _SCALARS.issuperset(map(type, value)):
+            return None
         items = enumerate(value)
     else:
         return None
     for key, item in items:
+        if type(item) in _SCALARS:
+            continue
         found = invalid_unicode(item, f"{where}.{key}" if where else str(key))
         if found is not None:
             return found
