@@ -97,9 +97,9 @@ def test_a_client_that_goes_away_leaves_no_asyncio_error(limited, caplog):
     '_GatheringFuture exception was never retrieved' (an ERROR traceback) for every client that left."""
     http, admin, _ = limited
     caplog.set_level("ERROR", logger="asyncio")
-    with pytest.raises(httpx.ReadTimeout):  # running: a long generation
-        http.post("/v1/completions", json={"prompt": [5] * 3, "max_tokens": 120, "ignore_eos": True,
-                                           "n": 2}, timeout=httpx.Timeout(30, read=0.2))
+    with pytest.raises(httpx.ReadTimeout):  # running: a generation of 120 steps (~0.4 s), left after 0.05 s
+        http.post("/v1/completions", json={"prompt": [[5] * 3, [6] * 3], "max_tokens": 120, "ignore_eos": True,
+                                           "n": 2}, timeout=httpx.Timeout(30, read=0.05))
     admin.post("/sleep", params={"level": 0}).raise_for_status()
     try:
         with pytest.raises(httpx.ReadTimeout):  # queued behind a sleep, then the client gives up
