@@ -100,12 +100,12 @@ def test_chat_passes_the_options(server):
 
 @pytest.mark.parametrize(("path", "extra", "param"), [
     ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "done"}, "suffix"),
     ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": []}, "tools"),
     ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
@@ -135,7 +135,7 @@ def test_out_of_vocab_logit_bias_is_a_400_naming_it(server):
 
 @pytest.mark.parametrize(("path", "extra"), [
     ("/v1/completions", {"best_of": 1, "echo": False, "suffix": None, "response_format": {"type": "text"}}),
-    ("/v1/chat/completions", {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
+    ("/v1/chat/completions", {"tools": None, "tool_choice": "none", "response_format": {"type": "text"}}),
 ])
 def test_defaults_of_refused_fields_are_accepted(server, path, extra):
     _, _, http = server

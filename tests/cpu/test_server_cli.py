@@ -26,6 +26,7 @@ def test_help_explains_every_option(capsys):
     for option in ("--host", "--port", "--device", "--dtype", "--max-model-len", "--max-num-seqs",
                    "--tensor-parallel-size", "--admin-token", "--allowed-weights-dir",
                    "--api-key", "--max-body-bytes", "--max-tokens-cap", "--asleep-timeout", "TORPOR_ADMIN_TOKEN",
+                   "--max-prompts-per-request", "--tool-call-parser", "--enable-auto-tool-choice", "/generate",
                    "/sleep", "/wake_up", "exit codes"):
         assert option in text, option
 

@@ -1,7 +1,8 @@
 """`torpor serve`: an OpenAI-compatible HTTP server with a sleep/wake control plane.
 
 Inference: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus).
+GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus);
+SGLang's POST /generate, GET /health_generate, /get_model_info, /get_server_info.
 Control plane (needs 'Authorization: Bearer ADMIN_TOKEN'; off without --admin-token):
 POST /sleep?level=0|1|2|3|4&mode=wait|abort, POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping,
 POST /reload_weights {"path": ...}, GET /memory, POST /collective_rpc {"method": ..., "kwargs": {...}},
@@ -106,6 +107,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     security.add_argument("--asleep-timeout", type=seconds, default=None,
                           help="seconds a request waits for a sleeping engine before 503 (default: until the "
                                "wake); per request: the X-Asleep-Timeout header")
+    security.add_argument("--max-prompts-per-request", type=positive_int, default=1024,
+                          help="prompts one request may batch (/v1/completions, /generate); more get 400 "
+                               "(default: 1024)")
+    tools = p.add_argument_group("tool calls (vLLM's flags)")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="read tool calls from the model's output in this format into the chat answer's "
+                            "tool_calls: hermes (Hermes / Qwen <tool_call>{json}</tool_call>)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (the default when a request has tools); needs '
+                            "--tool-call-parser")
     p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="server (uvicorn) log level (default: info)")
@@ -166,10 +177,15 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """Resolve --model and --chat-template in `args`; the first problem with the options, or None."""
     from torpor.engine.chat_template import load_chat_template
     from torpor.engine.config import EngineConfig
+    from torpor.server.tool_calls import TOOL_PARSERS
 
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         return f"two different models: {args.model!r} and --model {args.model_option!r}"
     args.model = args.model_option or args.model
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        return f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {args.tool_call_parser!r}"
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return "--enable-auto-tool-choice requires --tool-call-parser"
     for option in ("admin_token", "api_key"):  # `--admin-token "$TOKEN"` with TOKEN unset: not "no token"
         if getattr(args, option) is not None and not getattr(args, option).strip():
             return (f"--{option.replace('_', '-')} is empty (an unset shell variable?): give a value, or leave "
@@ -239,7 +255,10 @@ def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str 
     try:
         config = ServerConfig(name, admin_token=admin_token, api_key=api_key, max_body_bytes=args.max_body_bytes,
                               max_tokens_cap=args.max_tokens_cap, asleep_timeout=args.asleep_timeout,
-                              allowed_weights_dir=args.allowed_weights_dir)
+                              allowed_weights_dir=args.allowed_weights_dir,
+                              max_prompts_per_request=args.max_prompts_per_request,
+                              tool_call_parser=args.tool_call_parser,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice)
     except ValueError as exc:
         _say(f"error: {exc}")
         llm.close()

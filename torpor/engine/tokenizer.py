@@ -62,7 +62,28 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the tokenizer's template adds (e.g. bos)."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encode_batch([text], add_special_tokens)[0]
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text. The tokenizers library's batch call releases the GIL while it works
+        (its single `encode` holds it: a 1 MB text then stops every other thread for a second) and skips
+        the character offsets nobody reads here (several times faster)."""
+        return [encoding.ids for encoding in self._encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    @functools.cached_property
+    def _encode_batch(self):
+        return getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)  # fast: tokenizers>=0.21
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token of the vocabulary spells (added tokens included). A text longer
+        than n times this, normalized, cannot fit in n tokens (vLLM bounds prompts the same way)."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    @property
+    def has_normalizer(self) -> bool:
+        """Whether text is normalized (e.g. NFC) before tokenizing: that may merge characters."""
+        return self._tokenizer.normalizer is not None
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = list(token_ids)

@@ -4,8 +4,9 @@
     from torpor.server import ServerConfig, build_app
     app = build_app(LLM().engine, ServerConfig(model_name="tiny", admin_token="secret"))   # serve with uvicorn
 
-Public: /health, GET /is_sleeping. Behind the API key when one is set: /v1/completions,
-/v1/chat/completions (both streaming), /v1/models, /metrics, /openapi.json, /docs, /redoc.
+Public: /health, GET /is_sleeping, GET /health_generate. Behind the API key when one is set:
+/v1/completions, /v1/chat/completions (both streaming), /v1/models, /tokenize, /detokenize, SGLang's
+/generate, /get_model_info, /get_server_info, /metrics, /openapi.json, /docs, /redoc.
 Control (admin bearer token; off without one): POST /sleep?level=N&mode=wait|abort,
 POST /wake_up?tags=..., POST /reload_weights (inside the allowed weights directory), GET /memory,
 POST /collective_rpc, POST /release_memory_occupation, POST /resume_memory_occupation.

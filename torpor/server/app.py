@@ -11,13 +11,14 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 
 from torpor.engine.llm_engine import LLMEngine
-from torpor.server import control, openai_api, tokenize_api, weights_api
+from torpor.server import control, openai_api, sglang_api, tokenize_api, weights_api
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.auth import require_api_key
 from torpor.server.config import ServerConfig
 from torpor.server.errors import SafeJSONResponse, install_error_handlers
 from torpor.server.middleware import BodyLimit, CountRequests
 from torpor.server.openapi import openapi_schema
+from torpor.server.prompts import Prompts
 from torpor.server.state import ServerState
 
 # Who may call what. Public: /health, /is_sleeping. Behind the API key when one is set: /v1/*,
@@ -30,6 +31,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     engine thread starts with the app (ASGI lifespan) and stops with it."""
     allowed = config.allowed_weights_dir or Path(engine.config.model).parent
     server = ServerState(AsyncEngine(engine), config, Path(os.path.realpath(allowed)))
+    prompts = Prompts(engine.tokenizer, engine.config.max_model_len, config.max_prompts_per_request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -38,6 +40,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             yield
         finally:
             server.engine.stop()
+            prompts.close()
             if server.weights is not None:
                 server.weights.close()
 
@@ -45,15 +48,19 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                   lifespan=lifespan, default_response_class=SafeJSONResponse, openapi_url=None, docs_url=None,
                   redoc_url=None)  # the schema and docs routes below, behind the API key
     app.state.server = server
+    app.state.prompts = prompts  # tokenization off the event loop (prompts.py)
     app.openapi = lambda: openapi_schema(app)
     install_error_handlers(app)
     app.include_router(openai_api.router)
+    app.include_router(sglang_api.router)
+    app.include_router(sglang_api.public_router)
     app.include_router(control.public_router)
     app.include_router(control.router)
     app.include_router(tokenize_api.router)
     app.include_router(weights_api.router)
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
     async def health() -> Response:
         """200 while the engine can serve (asleep or not); 503 with the reason once it cannot (its thread stopped,
         a tensor-parallel worker died or is stopped): what an orchestrator restarts a server on."""
@@ -71,7 +78,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     _add_docs(app)
-    routers = (openai_api.router, control.public_router, control.router, tokenize_api.router, weights_api.router)
+    routers = (openai_api.router, sglang_api.router, sglang_api.public_router, control.public_router, control.router,
+               tokenize_api.router, weights_api.router)
     routes = {"/health", "/metrics", "/openapi.json", "/docs", "/redoc",
               *(r.path for router in routers for r in router.routes)}
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

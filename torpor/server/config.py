@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torpor.server.tool_calls import TOOL_PARSERS
+
 MiB = 1 << 20
 
 
@@ -20,7 +22,12 @@ class ServerConfig:
     allowed_weights_dir: `/reload_weights {"path"}` reads only inside this folder (symlinks resolved);
         None: the served model's parent folder.
     push_idle_timeout_s: a weight push (torpor's push headers) none of whose requests came for this long is given
-        up as failed: its trainer died or stalled, and nothing runs while a push is in progress."""
+        up as failed: its trainer died or stalled, and nothing runs while a push is in progress.
+    max_prompts_per_request: larger batches of prompts (/v1/completions, /generate) get 400.
+    tool_call_parser: how tool calls are read from the model's output (`server/tool_calls.py`: "hermes");
+        None: chat requests get no `tool_calls` (tool_choice "auto" is refused, as vLLM does).
+    enable_auto_tool_choice: allow tool_choice "auto" (vLLM's --enable-auto-tool-choice; needs
+        tool_call_parser)."""
 
     model_name: str
     admin_token: str | None = None
@@ -30,6 +37,9 @@ class ServerConfig:
     asleep_timeout: float | None = None
     allowed_weights_dir: str | None = None
     push_idle_timeout_s: float = 10.0
+    max_prompts_per_request: int = 1024
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -38,7 +48,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string or None")
-        for name in ("max_body_bytes", "max_tokens_cap"):
+        for name in ("max_body_bytes", "max_tokens_cap", "max_prompts_per_request"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -52,3 +62,10 @@ class ServerConfig:
         folder = self.allowed_weights_dir
         if folder is not None and (not isinstance(folder, str) or not folder or "\x00" in folder):
             raise ValueError(f"allowed_weights_dir must be a folder path or None, got {folder!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if not isinstance(self.enable_auto_tool_choice, bool):
+            raise ValueError(f"enable_auto_tool_choice must be a bool, got {self.enable_auto_tool_choice!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM: --enable-auto-tool-choice "
+                             "requires --tool-call-parser)")

@@ -93,8 +93,9 @@ def engine_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError | WorkerDiedError):
         return APIError(503, str(exc), code="engine_dead")
-    if isinstance(exc, EngineStepError):
-        return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, EngineStepError):  # the step's error (torch's text, paths) is in the server log only
+        return APIError(500, "the engine failed while serving this request; the server log has the details",
+                        code="engine_error")
     if isinstance(exc, ValueError | TypeError | FileNotFoundError):
         return APIError(400, str(exc))
     if is_safetensors_error(exc):  # a bad checkpoint file is the client's (11.6)
@@ -102,7 +103,7 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, RuntimeError) and not isinstance(exc, TorporMemoryError):
         return APIError(409, str(exc))
     logger.error("engine error", exc_info=exc)
-    return APIError(500, f"engine error: {type(exc).__name__}: {exc}")
+    return APIError(500, f"internal error ({type(exc).__name__}); the server log has the details")
 
 
 async def engine_call(awaitable):
@@ -136,7 +137,7 @@ def validation_error(errors: list[dict]) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query") and not _union_tag(part)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
@@ -154,6 +155,15 @@ def validation_error(errors: list[dict]) -> APIError:
     message = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own message
     return APIError(400, message if param and message.startswith(param) else
                     f"{param}: {message}" if param else message, param=param)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "bool", "float", "dict", "list", "none", "null"})
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a part of a pydantic error location names a member of a union (`list[int]`, `bool`, a model's
+    class name) rather than a field: a client's field path leaves those out."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES or part[:1].isupper())
 
 
 def is_safetensors_error(exc: BaseException) -> bool:

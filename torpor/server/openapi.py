@@ -26,7 +26,7 @@ ERROR_STATUSES = {
     "500": "the engine failed (the server goes on)",
     "503": "the engine is asleep past the asleep timeout, or its weights await reload_weights, or it stopped",
 }
-STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
+STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
 def _object(required: dict[str, Any], **optional: Any) -> dict[str, Any]:
@@ -45,6 +45,10 @@ CHOICES = {"type": "array", "items": _object({"index": INT, "finish_reason": {"a
 USAGE = _object({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
 COMPLETION = _object({"id": STRING, "object": STRING, "created": INT, "model": STRING, "choices": CHOICES,
                       "usage": USAGE})
+NULLABLE = {"anyOf": [{"type": "object"}, {"type": "null"}]}
+GENERATE_ENTRY = _object({"text": STRING, "output_ids": {"type": "array", "items": INT}, "meta_info": _object({
+    "id": STRING, "finish_reason": NULLABLE, "prompt_tokens": INT, "completion_tokens": INT, "cached_tokens": INT,
+    "weight_version": STRING})})
 # The JSON body of each operation's 200 (the routes return plain dicts: this is their contract).
 OK_SCHEMAS = {
     "/v1/models": _object({"object": STRING, "data": {"type": "array", "items": _object(
@@ -52,6 +56,11 @@ OK_SCHEMAS = {
     "/v1/completions": COMPLETION,
     "/v1/chat/completions": COMPLETION,
     "/health": _object({"status": STRING}, is_sleeping=BOOL, serving=BOOL),
+    "/generate": {"anyOf": [GENERATE_ENTRY, {"type": "array", "items": GENERATE_ENTRY}]},
+    "/get_model_info": _object({"model_path": STRING, "tokenizer_path": STRING, "is_generation": BOOL,
+                                "weight_version": STRING}),
+    "/get_server_info": _object({"model_path": STRING, "context_length": INT, "weight_version": STRING,
+                                 "version": STRING}),
     "/is_sleeping": _object({"is_sleeping": BOOL}),
     "/sleep": _object({"level": INT, **STATE, "seconds": NUMBER, "report": REPORT}),
     "/wake_up": _object({"woken": {"type": "array", "items": STRING}, **STATE, "seconds": NUMBER, "report": REPORT}),
@@ -96,6 +105,10 @@ def _correct(path: str, operation: dict) -> None:
     if path == "/health":
         responses["503"] = {"description": "the engine thread has stopped",
                             "content": {"application/json": {"schema": _object({"status": STRING})}}}
+    if path == "/health_generate":  # SGLang's: the status alone, no body
+        responses["200"] = {"description": "a one-token generation worked"}
+        responses["503"] = {"description": "the engine does not serve (asleep, weights discarded, stopped) or did "
+                                           "not answer within 20 s"}
     if path in STREAMING_PATHS:
         ok.setdefault("content", {}).update(EVENT_STREAM)
     elif path == "/metrics":

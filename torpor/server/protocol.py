@@ -1,21 +1,23 @@
-"""OpenAI request bodies (pydantic) and their translation into prompt token ids and `SamplingParams`.
+"""OpenAI request bodies (pydantic) and their translation into `SamplingParams` (chat: chat_protocol.py).
 
 Every option is honoured or refused with a 400 naming it (`code: "unsupported_parameter"`):
 - `n` (samples per prompt; a list of prompts in /v1/completions is a batch), the penalties, `logit_bias`
   (token id strings -> [-100, 100]) and vLLM's extra sampling fields (`top_k`, `min_p`,
   `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-  `include_stop_str_in_output`) and SGLang's `return_routed_experts` (MoE models) go into `SamplingParams`;
-- declared fields torpor cannot honour with a non-default value (echo, suffix, best_of,
-  response_format, tools, tool_choice) are refused by `check_supported`;
-- any other field, at the top level, in a message or in a content part, is refused by
-  `check_known_fields` — `functions`, `reasoning_effort`, a typo
-  (`max_token`) — unless its value is null (no behaviour asked for) or it is on the allowlist of
+  `include_stop_str_in_output`) and SGLang's `return_routed_experts` (MoE models) go into `SamplingParams`; vLLM's
+  token-level fields (`return_token_ids`,
+  `return_tokens_as_token_ids`, `prompt_logprobs`, `echo`, `stream_options.continuous_usage_stats`)
+  shape the response (responses.py);
+- declared fields torpor cannot honour with a non-default value (suffix, best_of, response_format,
+  prompt_logprobs=-1) are refused by `check_supported`;
+- any other field at the top level is refused by `check_known_fields` — `functions`, `reasoning_effort`,
+  a typo (`max_token`) — unless its value is null (no behaviour asked for) or it is on the allowlist of
   OpenAI fields that carry no semantics for a self-hosted engine: `IGNORED_FIELDS` (`user`, `metadata`,
-  `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls`).
-Types are strict:
-no lax cast changes a meaning (`prompt: [true, false]` is not the tokens [1, 0], `max_tokens: true`
-not 1, `"0.5"` not a number), and text must be valid Unicode (a lone surrogate is a 400, not a
-tokenizer error).
+  `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls`). Inside a
+  chat message, fields torpor does not read are ignored, as vLLM ignores them (chat_protocol.py).
+Types are strict: no lax cast changes a meaning (`prompt: [true, false]` is not the tokens [1, 0],
+`max_tokens: true` not 1, `"0.5"` not a number), seeds fit in 64 bits (vLLM's bounds), and text must
+be valid Unicode (a lone surrogate is a 400, not a tokenizer error).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torpor.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from torpor.server.errors import APIError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # OpenAI fields accepted and ignored: bookkeeping for OpenAI's platform, no effect on a generation.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                             "parallel_tool_calls"})
@@ -36,22 +39,29 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     """Dotted names of the fields of `model` (and the models inside it) that it does not declare, set
-    to something other than null and not in `IGNORED_FIELDS`."""
+    to something other than null and not in `IGNORED_FIELDS`. Models with `ignore_extra_fields` (chat
+    messages and their parts: vLLM ignores what it does not read there) are not searched."""
     names = [f"{prefix}{name}" for name, value in (model.model_extra or {}).items()
              if value is not None and name not in IGNORED_FIELDS]
     for name in type(model).model_fields:
         value = getattr(model, name)
+        if isinstance(value, list) and not any(isinstance(item, BaseModel) for item in value[:1]):
+            continue  # a list of values (a typed field's items share a kind): no model inside
         items = enumerate(value) if isinstance(value, list) else [(None, value)]
         for index, item in items:
-            if isinstance(item, BaseModel):
+            if isinstance(item, BaseModel) and not getattr(item, "ignore_extra_fields", False):
                 where = f"{prefix}{name}." if index is None else f"{prefix}{name}.{index}."
                 names += unknown_fields(item, where)
     return names
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def invalid_unicode(value: Any, where: str = "") -> tuple[str, str] | None:
     """(dotted field name, the offending text) of the first string in `value` that is not valid
-    Unicode (a lone surrogate such as "\\ud800" in the JSON), or None."""
+    Unicode (a lone surrogate such as "\\ud800" in the JSON), or None. (Lists of numbers, a prompt's token
+    ids, are passed over in one C-level look at their element types: this runs for every request.)"""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -63,19 +73,33 @@ def invalid_unicode(value: Any, where: str = "") -> tuple[str, str] | None:
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list | tuple):
+        if _SCALARS.issuperset(map(type, value)):
+            return None
         items = enumerate(value)
     else:
         return None
     for key, item in items:
+        if type(item) in _SCALARS:
+            continue
         found = invalid_unicode(item, f"{where}.{key}" if where else str(key))
         if found is not None:
             return found
     return None
 
 
+def check_unicode(value: Any) -> None:
+    """400 naming the first string in `value` that is not valid Unicode."""
+    bad = invalid_unicode(value)
+    if bad is not None:
+        where, text = bad
+        raise APIError(400, f"{where}: invalid unicode: the text holds a lone surrogate {text!r} (a UTF-16 half that "
+                            "encodes no character)", param=where, code="invalid_unicode")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
 
 
 class GenerationRequest(BaseModel):
@@ -93,7 +117,7 @@ class GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's bounds: the sampler's seeds are 64-bit
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -109,6 +133,9 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_routed_experts: bool | None = None  # SGLang's name (MoE models): each choice's routed experts
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = False  # the prompt's and the output's token ids in the response
+    return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:N"
 
     def check_supported(self) -> None:
         unsupported: dict[str, Any] = {"response_format": self.response_format not in (None, {"type": "text"})}
@@ -117,6 +144,22 @@ class GenerationRequest(BaseModel):
             if refused:
                 raise APIError(400, f"{field}={getattr(self, field)!r} is not supported by torpor", param=field,
                                code="unsupported_parameter")
+        if self.stream_options is not None and self.stream_options.model_dump(exclude_unset=True) and not self.stream:
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+        self._check_prompt_logprobs()
+
+    def _check_prompt_logprobs(self) -> None:
+        value = self.prompt_logprobs
+        if value is None:
+            return
+        if self.stream and (value > 0 or value == -1):
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if value == -1:
+            raise APIError(400, f"prompt_logprobs=-1 (the whole vocabulary) is not supported by torpor: ask for at "
+                                f"most {MAX_LOGPROBS}", param="prompt_logprobs", code="unsupported_parameter")
+        if value < 0:
+            raise APIError(400, "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+        check_logprobs(value, "prompt_logprobs")
 
     def _unsupported(self) -> dict[str, bool]:
         return {}
@@ -128,28 +171,30 @@ class GenerationRequest(BaseModel):
         if unknown:
             raise APIError(400, f"unsupported field(s) {unknown}: torpor does not implement them (send only the "
                                 "documented fields, or null)", param=unknown[0], code="unsupported_parameter")
-        bad = invalid_unicode(self)
-        if bad is not None:
-            where, text = bad
-            raise APIError(400, f"{where}: invalid unicode: the text holds a lone surrogate {text!r} (a UTF-16 "
-                                "half that encodes no character)", param=where, code="invalid_unicode")
+        check_unicode(self)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        **overrides: Any) -> SamplingParams:
         """Validated `SamplingParams`; a bad value is a 400 naming its field. Unset fields keep
-        `SamplingParams`' defaults."""
+        `SamplingParams`' defaults; `overrides` win over the request's."""
         options = {name: value for name in _OPTIONAL_SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
         try:
-            return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=bool(self.ignore_eos), seed=self.seed, logprobs=logprobs,
-                logit_bias=self._logit_bias(), n=1 if self.n is None else self.n, **options)
+            return SamplingParams(**{
+                "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "top_k": -1 if self.top_k is None else self.top_k,
+                "max_tokens": max_tokens, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+                "ignore_eos": bool(self.ignore_eos), "seed": self.seed, "logprobs": logprobs,
+                "prompt_logprobs": prompt_logprobs, "logit_bias": self._logit_bias(),
+                "n": 1 if self.n is None else self.n, **options, **overrides})
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field in type(self).model_fields else None) from None
@@ -186,124 +231,53 @@ class CompletionRequest(GenerationRequest):
         raise ValueError("prompt must be a string, a list of token ids (integers: true and false are not token "
                          f"ids), or a list of those; got {json.dumps(prompt)[:80]}")
     logprobs: int | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt before the output (text, token ids and logprobs)
     suffix: str | None = None
     best_of: int | None = None
-    return_token_ids: bool | None = False  # vLLM's extension: the choice carries "token_ids" (RL trainers)
 
     def _unsupported(self) -> dict[str, bool]:
-        return {"echo": bool(self.echo), "suffix": bool(self.suffix), "best_of": self.best_of not in (None, 1)}
+        return {"suffix": bool(self.suffix), "best_of": self.best_of not in (None, 1)}
 
-    def prompts_token_ids(self, tokenizer) -> list[list[int]]:
-        """The token ids of each prompt of the request (a list of strings or of token-id lists is a batch;
-        the engine validates them: `LLMEngine.make_sequence`)."""
+    def prompt_list(self) -> list[str | list[int]]:
+        """The request's prompts: a list of strings or of token-id lists is a batch."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            return [self.prompt_token_ids(tokenizer, p) for p in prompt]
-        return [self.prompt_token_ids(tokenizer)]
+            return list(prompt)
+        return [prompt]
 
-    def prompt_token_ids(self, tokenizer, prompt: str | list[int] | None = None) -> list[int]:
-        """The token ids of `prompt` (default: the request's single prompt)."""
-        prompt = self.prompt if prompt is None else prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            raise APIError(400, "prompt must be a string, a list of token ids, or a list of either",
-                           param="prompt")
-        token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids or prompt == "":
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return token_ids
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
-    content: str | list[ContentPart] | None = None
-
-    def text(self, index: int) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        for number, part in enumerate(self.content):
-            param = f"messages.{index}.content.{number}"
-            if part.type != "text":
-                raise APIError(400, f"content part of type {part.type!r} is not supported (text only)",
-                               param=f"messages.{index}.content")
-            if part.text is None:
-                raise APIError(400, f"{param}: a content part of type 'text' needs a string 'text', got null",
-                               param=f"{param}.text")
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, e.g. {"enable_thinking": false}
-    tool_choice: Any = None
-
-    def _unsupported(self) -> dict[str, bool]:
-        return {"tools": bool(self.tools), "tool_choice": self.tool_choice not in (None, "none")}
-
-    def prompt_token_ids(self, tokenizer) -> list[int]:
-        """The conversation rendered with the model's chat template, tokenized."""
-        from torpor.engine.chat_template import ChatTemplateError
-
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
-        try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 **template_kwargs(self.chat_template_kwargs))
-        except ChatTemplateError as exc:
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        except TypeError as exc:  # chat_template_kwargs naming one of the template's own arguments
-            raise APIError(400, f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
-        except ValueError as exc:  # no chat template
-            raise APIError(400, f"{exc}: use /v1/completions with this model", param="messages",
-                           code="no_chat_template") from None
-
-    def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        if not self.logprobs:
-            return None
-        return self.top_logprobs or 0
+    def num_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: those asked for, or with `echo` the `logprobs` (vLLM's rule; the
+        echoed prompt carries them)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,
-                       cap: int, param: str = "max_tokens") -> int:
-    """The request's max_tokens, checked against the cap; the default fills what the context leaves (the
-    engine refuses a prompt + max_tokens beyond max_model_len)."""
+                       cap: int, param: str = "max_tokens", prompt_param: str = "prompt") -> int:
+    """The request's max_tokens, checked against the cap and the context as vLLM's server checks them (a
+    400, never a silent cut); the default fills what the context leaves."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                            f"has {num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
+                       param=prompt_param, code="context_length_exceeded")
+    room = max_model_len - num_prompt_tokens
     if requested is None:
-        room = max_model_len - num_prompt_tokens
         return max(1, min(cap, room, room if default is None else default))
-    if isinstance(requested, int) and requested < 1:
+    if requested < 1:
         raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
-    if isinstance(requested, int) and requested > cap:
+    if requested > cap and cap < max_model_len:
         raise APIError(400, f"{param}={requested} exceeds this server's limit of {cap}", param=param,
                        code="max_tokens_exceeded")
+    if requested > max_model_len:
+        raise APIError(400, f"{param}={requested} cannot be greater than max_model_len={max_model_len}. Please "
+                            "request fewer output tokens.", param=param, code="context_length_exceeded")
+    if requested > room:
+        raise APIError(400, f"You passed {num_prompt_tokens} input tokens and requested {requested} output tokens. "
+                            f"However, the model's context length is only {max_model_len} tokens, resulting in a "
+                            f"maximum input length of {max_model_len - requested} tokens. Please reduce the length of "
+                            "the input prompt.", param=param, code="context_length_exceeded")
     return requested
-
-
-# The template call's own arguments: chat_template_kwargs are template variables and may not set these
-# (a `chat_template` from a request would run the client's Jinja code in the server's event loop).
-TEMPLATE_CALL_ARGUMENTS = frozenset({"messages", "chat_template", "tokenize", "add_generation_prompt",
-                                     "continue_final_message", "tools"})
-
-
-def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """A request's `chat_template_kwargs`, refused with a 400 if one names an argument of the template call."""
-    clashing = sorted(TEMPLATE_CALL_ARGUMENTS & set(kwargs or {}))
-    if clashing:
-        raise APIError(400, f"chat_template_kwargs may not set {clashing}: they are arguments of the template call, "
-                            "not template variables (a request cannot bring its own chat template)",
-                       param="chat_template_kwargs", code="unsupported_parameter")
-    return dict(kwargs or {})
 
 
 def check_logprobs(value: int | None, param: str) -> None:

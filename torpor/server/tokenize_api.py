@@ -4,19 +4,22 @@ POST /tokenize {"prompt": text, "add_special_tokens": true} or {"messages": [...
 true, "continue_final_message": false, "add_special_tokens": false, "chat_template_kwargs": {...}, "tools":
 [...]}, either with "return_token_strs" -> {"count", "max_model_len", "tokens", "token_strs"}.
 POST /detokenize {"tokens": [ids]} -> {"prompt": text}.
+Types are strict (`add_special_tokens: "yes"`, `tokens: [true]` are 400s naming the field); the work runs
+off the event loop and a text too long for the context is refused before it is tokenized (prompts.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
-from torpor.engine.chat_template import ChatTemplateError
 from torpor.server.auth import require_api_key
+from torpor.server.chat_protocol import ChatMessage, ToolParam, template_kwargs
 from torpor.server.errors import APIError
-from torpor.server.protocol import invalid_unicode, template_kwargs
+from torpor.server.prompts import Prompts, prompts_of
+from torpor.server.protocol import check_unicode
 
 if TYPE_CHECKING:
     from torpor.server.state import ServerState
@@ -25,7 +28,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
 
 
@@ -36,28 +39,39 @@ class TokenizeCompletionRequest(_Request):
 
 
 class TokenizeChatRequest(_Request):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)  # checked and rendered as /v1/chat/completions does
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
+
+
+def _form(body: Any) -> str:
+    return "Chat" if isinstance(body, dict) and "messages" in body else "Completion"
+
+
+# One form by its fields ("messages" or not), so a 400 names the field of that form, not of both.
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("Completion")]
+                            | Annotated[TokenizeChatRequest, Tag("Chat")], Discriminator(_form)]
 
 
 class DetokenizeRequest(_Request):
-    tokens: list[int]
+    tokens: list[StrictInt]  # true is not token 1
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     server: ServerState = request.app.state.server
     _check_model(server, body.model)
-    _check_unicode(body)
-    tokenizer = server.engine.tokenizer
-    text = _render(tokenizer, body) if isinstance(body, TokenizeChatRequest) else body.prompt
-    tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    check_unicode(body)
+    tokenizer, prompts = server.engine.tokenizer, prompts_of(request)
+    if isinstance(body, TokenizeChatRequest):
+        tokens = await _render(prompts, body)
+    else:
+        (tokens,) = await prompts.encode([body.prompt], body.add_special_tokens, "prompt")
     return {"count": len(tokens), "max_model_len": server.engine.config.max_model_len, "tokens": tokens,
             "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
 
@@ -74,26 +88,15 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"prompt": server.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
-def _render(tokenizer, body: TokenizeChatRequest) -> str:
+async def _render(prompts: Prompts, body: TokenizeChatRequest) -> list[int]:
     if body.chat_template is not None:  # templates are code: only the server's own run
         raise APIError(400, "chat_template in a request is not accepted; the server uses its model's template "
                             "(or --chat-template)", param="chat_template", code="unsupported_parameter")
-    try:
-        return tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message, tools=body.tools,
-                                             **template_kwargs(body.chat_template_kwargs))
-    except ChatTemplateError as exc:
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-    except (ValueError, TypeError) as exc:  # no template, malformed messages, clashing options
-        raise APIError(400, str(exc), param="messages") from None
-
-
-def _check_unicode(body: BaseModel) -> None:
-    bad = invalid_unicode(body)
-    if bad is not None:
-        where, text = bad
-        raise APIError(400, f"{where}: invalid unicode: the text holds a lone surrogate {text!r} (a UTF-16 half that "
-                            "encodes no character)", param=where, code="invalid_unicode")
+    return await prompts.render(
+        [message.for_template(i) for i, message in enumerate(body.messages)],
+        None if body.tools is None else [tool.for_template() for tool in body.tools],
+        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        add_special_tokens=body.add_special_tokens, template_kwargs=template_kwargs(body.chat_template_kwargs))
 
 
 def _check_model(server: ServerState, model: str | None) -> None:
