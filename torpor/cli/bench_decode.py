@@ -123,7 +123,7 @@ def bench_batch1(path: Path, device: torch.device, args: argparse.Namespace, cop
               num_kv_blocks=-(-max_model_len // 16), block_size=16, tensor_parallel_size=args.tensor_parallel_size)
     engine = llm.engine
     prompt = _random_tokens(random.Random(args.seed), args.prompt_len, engine.vocab_size)
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     step_s, num_steps = _decode_step_seconds(engine, prompt, args.decode_tokens, device)
     # decode step k (1..num_steps) attends over prompt_len + k tokens
     bytes_per_step = weight_bytes_read(engine) + kv_bytes_per_token(engine) * (args.prompt_len + (num_steps + 1) / 2)
@@ -219,10 +219,10 @@ def bench_throughput(path: Path, device: torch.device, args: argparse.Namespace)
               max_num_seqs=min(args.max_num_seqs, args.num_requests),
               gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    llm.generate(prompts[:8], params[:8])  # warm-up
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     _sync(device)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     _sync(device)
     engine_s = time.perf_counter() - start
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)

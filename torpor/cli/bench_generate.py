@@ -97,13 +97,13 @@ def bench_engine(path: Path, device: torch.device, prompts: list[list[int]], arg
                              ignore_eos=True) for i in range(len(prompts))]
     warm = [[(t + 1) % 1000 for t in prompts[0]]]  # a prompt the workload does not share blocks with
     llm.generate(warm, SamplingParams(temperature=1.0, seed=1, n=args.n, max_tokens=min(8, args.output_len),
-                                      ignore_eos=True))
+                                      ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()
     before = llm.engine.prefix_cache_stats()
     _sync(device)
     start = time.perf_counter()
     with DecodeStepTimer(llm, device) as timer:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     _sync(device)
     seconds = time.perf_counter() - start
     stats = llm.engine.prefix_cache_stats()
@@ -203,7 +203,7 @@ def profile_generate(llm, prompts: list[list[int]], params: list, device: torch.
     _sync(device)
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        llm.generate(prompts, short)
+        llm.generate(prompts, short, use_tqdm=False)
         _sync(device)
     wall = time.perf_counter() - start
     on_device = device.type == "cuda"

@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{time.perf_counter() - start:.1f} s")
     prompts, params = requests(llm)
     timeline = Timeline(llm)
-    reference = llm.generate(prompts, params)
+    reference = llm.generate(prompts, params, use_tqdm=False)
     console.print(f"first answer: {prompts[0]!r} -> {reference[0].outputs[0].text!r}")
     table = Table(title=f"torpor demo on {device}: per-tag MiB resident (awake / asleep / after wake)")
     tags = list(llm.memory_usage()["tags"])
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     ok = True
     for name, (level, wakes, reload) in CYCLES.items():
         r = cycle(llm, level, wakes, reload, timeline)
-        same = not differences(reference, llm.generate(prompts, params))
+        same = not differences(reference, llm.generate(prompts, params, use_tqdm=False))
         ok &= same
         cells = [f"{r['before']['tags'][t] / MiB:.1f} / {r['asleep']['tags'][t] / MiB:.1f} / "
                  f"{r['after']['tags'][t] / MiB:.1f}" for t in tags]

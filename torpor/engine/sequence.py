@@ -60,6 +60,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.output_logprobs: list[TokenLogprobs] = []
+        self.cumulative_logprob = 0.0                         # sum of the sampled tokens' logprobs (when computed)
         # Set once by the engine at the first prefill; a recompute after preemption keeps it.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.arrival = -1                                     # set by Scheduler.add
@@ -130,3 +131,4 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id]

@@ -50,7 +50,7 @@ def fixed_requests(num: int, vocab_size: int, seed: int = 0, max_prompt: int = 4
 
 def run_round(llm, requests: list[Request]) -> list[RequestOutput]:
     """One round of `requests` (the prefix cache as it is: empty after any sleep that discards the KV)."""
-    return llm.generate([p for p, _ in requests], [sp for _, sp in requests])
+    return llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
 
 
 def differences(reference: list[RequestOutput], outputs: list[RequestOutput]) -> list[str]:
