@@ -311,7 +311,7 @@ def test_preempted_samples_recompute_and_finish(tiny_model_path):
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
+def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path, capsys):
     from torpor.cli.main import main
 
     out = tmp_path / "bench.json"
@@ -320,6 +320,8 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path):
                  "--hf-batch-size", "1", "--profile", "2", "--json", str(out)]) == 0
     import json
 
+    printed = capsys.readouterr().out
+    assert printed.count("(CPU smoke run: no goal)") == 2 and "goal >=" not in printed  # the goals are GPU figures
     result = json.loads(out.read_text())
     assert result["cached"]["output_tokens"] == result["uncached"]["output_tokens"] == 3 * 3 * 4
     # the prompts share nothing; each prompt is computed once and its 2 forked samples reuse all of it

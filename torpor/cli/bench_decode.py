@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from torpor.cli import units
+
 GB = 1e9
 
 
@@ -63,28 +65,29 @@ def run(args: argparse.Namespace) -> int:
     cache = Path(args.cache_dir) if args.cache_dir else Path(_cache_root()) / "models"
     results: dict = {"device": _device_name(device), "torch": torch.__version__}
     results["copy_gbps"] = copy_bandwidth(device, int(args.copy_gib * 2**30))
-    print(f"{results['device']}: device-to-device copy {results['copy_gbps']:.0f} GB/s (read + write)")
+    print(f"{results['device']}: device-to-device copy {units.rate(results['copy_gbps'] * GB, 1)} (read + write)")
     results["batch1"] = []
     for preset in [m for m in args.models.split(",") if m]:
         row = bench_batch1(checkpoint(preset, cache), device, args, results["copy_gbps"])
         results["batch1"].append({"model": preset, **row})
-        gpu = "" if row["gpu_step_ms"] is None else \
-            f"; gpu only: {row['gpu_step_ms']:.2f} ms, {100 * row['gpu_roofline_fraction']:.0f}%"
-        print(f"{preset} batch 1 (TP={args.tensor_parallel_size}): {row['tokens_per_s']:.1f} tok/s, "
-              f"{row['step_ms']:.2f} ms/step, {row['gbps']:.0f} GB/s = {100 * row['roofline_fraction']:.0f}% of "
-              f"copy bandwidth ({row['bytes_per_step'] / GB:.2f} GB/step{gpu})")
+        step_s, moved = row["step_ms"] / 1e3, row["bytes_per_step"]
+        replay = "" if row["gpu_step_ms"] is None else (
+            f"; {'graph replay' if row['cuda_graphs'] else 'eager replay'} without the host: "
+            f"{units.seconds(row['gpu_step_ms'] / 1e3)}, {units.percent(row['gpu_roofline_fraction'])}")
+        print(f"{preset} batch 1 (TP={args.tensor_parallel_size}): {units.number(row['tokens_per_s'])} tok/s, "
+              f"{units.seconds(step_s)} per step reading {units.size(moved)} at {units.rate(moved, step_s)} = "
+              f"{units.percent(row['roofline_fraction'])} of the copy bandwidth{replay}")
         if "after_sleep_tokens_per_s" in row:
-            print(f"{preset} batch 1 after a level-1 sleep and wake: {row['after_sleep_tokens_per_s']:.1f} tok/s "
-                  f"({100 * (row['after_sleep_tokens_per_s'] / row['tokens_per_s'] - 1):+.1f}%)")
+            print(f"{preset} batch 1 after a level-1 sleep and wake: {units.number(row['after_sleep_tokens_per_s'])} "
+                  f"tok/s ({100 * (row['after_sleep_tokens_per_s'] / row['tokens_per_s'] - 1):+.1f}%)")
     if args.throughput_model:
         row = bench_throughput(checkpoint(args.throughput_model, cache), device, args)
         results["throughput"] = {"model": args.throughput_model, **row}
         line = (f"{args.throughput_model} throughput (TP={args.tensor_parallel_size}), {args.num_requests} requests: "
-                f"torpor "
-                f"{row['engine_tokens_per_s']:.0f} tok/s ({row['engine_s']:.1f} s)")
+                f"torpor {units.number(row['engine_tokens_per_s'])} tok/s ({units.seconds(row['engine_s'])})")
         if row.get("hf_tokens_per_s"):
-            line += (f", transformers {row['hf_tokens_per_s']:.0f} tok/s ({row['hf_s']:.1f} s): "
-                     f"{row['ratio']:.1f}x")
+            line += (f", transformers {units.number(row['hf_tokens_per_s'])} tok/s ({units.seconds(row['hf_s'])}): "
+                     f"{units.number(row['ratio'])}x")
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -244,9 +247,11 @@ def hf_generate_seconds(path: Path, prompts: list[list[int]], output_lens: list[
     """Wall time of transformers' greedy `generate` over the workload (None if it is not installed)."""
     try:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
     except ImportError:
         print("transformers is not installed: no baseline")
         return None
+    transformers_logging.disable_progress_bar()  # its "Loading weights" bar, amid the results
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = model.to(device=device, dtype=torch.bfloat16).eval()  # bf16 whatever the version's dtype kwarg
     model.generation_config.eos_token_id = None  # like ignore_eos: every row runs to max_new_tokens

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from torpor.cli import units
 from torpor.cli.bench_decode import _cache_root, _device_name, _release, _sync, checkpoint
 
 PRESETS = ("qwen3-0.6b", "qwen3-8b", "tiny")
@@ -64,23 +65,25 @@ def run(args: argparse.Namespace) -> int:
           f"tokens, n={args.n}, {args.output_len} output tokens, seeded sampling")
     result = {"model": str(path), "device": _device_name(device), **{k: getattr(args, k) for k in (
         "num_prompts", "prompt_len", "n", "output_len", "seed")}}
+    on_gpu = device.type == "cuda"
     for caching in (True, False):
         row = bench_engine(path, device, prompts, args, caching)
         result["cached" if caching else "uncached"] = row
-        print(f"  engine, prefix caching {'on ' if caching else 'off'}: {row['tokens_per_s']:.0f} output tok/s "
-              f"({row['output_tokens']} tokens in {row['seconds']:.2f} s), prefix-cache hit rate "
-              f"{row['hit_rate']:.1%}, prompt tokens computed {row['computed_prompt_tokens']}")
+        print(f"  engine, prefix caching {'on ' if caching else 'off'}: {units.number(row['tokens_per_s'])} output "
+              f"tok/s ({row['output_tokens']} tokens in {units.seconds(row['seconds'])}), prefix-cache hit rate "
+              f"{units.percent(row['hit_rate'])}, prompt tokens computed {row['computed_prompt_tokens']}")
         print(f"    {DecodeStepTimer.describe(row['decode_steps'])}")
-    result["caching_speedup"] = result["cached"]["tokens_per_s"] / result["uncached"]["tokens_per_s"]
-    print(f"  prefix caching: {result['caching_speedup']:.2f}x (goal >= 1.5x)")
+    result["caching_speedup"] = speedup = result["cached"]["tokens_per_s"] / result["uncached"]["tokens_per_s"]
+    print(f"  prefix caching: {units.number(speedup)}x {units.goal('>= 1.5x', speedup >= 1.5, on_gpu)}")
     if args.hf_prompts:
         hf = bench_transformers(path, device, prompts[: args.hf_prompts], args)
         if hf is not None:
             result["transformers"] = hf
-            result["vs_transformers"] = result["cached"]["tokens_per_s"] / hf["tokens_per_s"]
+            result["vs_transformers"] = ratio = result["cached"]["tokens_per_s"] / hf["tokens_per_s"]
             print(f"  transformers generate(num_return_sequences={args.n}), {args.hf_prompts} prompts in batches "
-                  f"of {args.hf_batch_size}: {hf['tokens_per_s']:.0f} output tok/s ({hf['seconds']:.1f} s); "
-                  f"engine with caching {result['vs_transformers']:.1f}x (goal >= 20x)")
+                  f"of {args.hf_batch_size}: {units.number(hf['tokens_per_s'])} output tok/s "
+                  f"({units.seconds(hf['seconds'])}); engine with caching {units.number(ratio)}x "
+                  f"{units.goal('>= 20x', ratio >= 20, on_gpu)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
@@ -184,10 +187,12 @@ class DecodeStepTimer:
         if wall is None:
             return "decode steps: none timed"
         if device is None:
-            return f"decode steps: {wall:.2f} ms wall per step ({steps['steps']} steps; device time needs CUDA)"
-        return (f"decode steps: {wall:.2f} ms wall per step, {device:.2f} ms on the device (CUDA events, "
-                f"{steps['steps']} steps): the device waits {wall - device:.2f} ms per step for the host "
-                f"({(wall - device) / wall:.0%})")
+            return (f"decode steps: {units.seconds(wall / 1e3)} wall per step ({steps['steps']} steps; device time "
+                    "needs CUDA)")
+        waits = units.seconds((wall - device) / 1e3)
+        return (f"decode steps: {units.seconds(wall / 1e3)} wall per step, {units.seconds(device / 1e3)} on the "
+                f"device (CUDA events, {steps['steps']} steps): the device waits {waits} per step for the host "
+                f"({units.percent((wall - device) / wall)})")
 
 
 def profile_generate(llm, prompts: list[list[int]], params: list, device: torch.device, top: int = 20) -> dict:
@@ -217,8 +222,9 @@ def profile_generate(llm, prompts: list[list[int]], params: list, device: torch.
     busy = sum(self_us(e) for e in events) / 1e6
     rows = sorted(events, key=self_us, reverse=True)[:top]
     kernels = [dict(name=e.key[:90], ms=self_us(e) / 1e3, calls=e.count) for e in rows]
-    print(f"  profile ({len(prompts)} prompts, {short[0].max_tokens} output tokens, caching on): wall {wall:.3f} s, "
-          f"{'device busy' if on_device else 'operators'} {busy:.3f} s ({busy / wall:.0%}); top by self time:")
+    print(f"  profile ({len(prompts)} prompts, {short[0].max_tokens} output tokens, caching on): wall "
+          f"{units.seconds(wall)}, {'device busy' if on_device else 'operators'} {units.seconds(busy)} "
+          f"({units.percent(busy / wall)}); top by self time:")
     for k in kernels:
         print(f"    {k['ms']:9.2f} ms  {k['calls']:6d} x  {k['name']}")
     return dict(wall_s=wall, busy_s=busy, top=kernels)
@@ -228,9 +234,11 @@ def bench_transformers(path: Path, device: torch.device, prompts: list[list[int]
     """Seeded sampling through `generate(do_sample=True, num_return_sequences=n)` (None without transformers)."""
     try:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
     except ImportError:
         print("transformers is not installed: no baseline")
         return None
+    transformers_logging.disable_progress_bar()  # its "Loading weights" bar, amid the results
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = model.to(device=device, dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: every row runs to max_new_tokens

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from torpor.cli import units
 from torpor.memory import device_used_bytes
 
 GiB = 2**30
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     link = pinned_bandwidth(device) if device.type == "cuda" else {}
     rows = []
     for total, count in workloads(args):
-        print(f"torpor: {count} tensor(s), {total / GiB:.2f} GiB, {args.cycles} cycles ...", flush=True)
+        print(f"torpor: {count} tensor(s), {units.size(total)}, {args.cycles} cycles ...", flush=True)
         rows += bench_torpor(device, total, count, args.cycles, bare)
     if device.type == "cuda" and not args.no_compare:
         print("torch_memory_saver: same workloads in a child process ...", flush=True)
@@ -219,19 +220,22 @@ def report(device: torch.device, bare: int, link: dict, rows: list[dict]) -> Non
     from rich.table import Table
 
     console = Console(width=200) if not sys.stdout.isatty() else Console()
-    console.print(f"device {device} {environment(device)}; bare context {bare / MiB:.0f} MiB in use")
+    versions = ", ".join(f"{k} {v}" for k, v in environment(device).items())
+    console.print(f"device {device} ({versions}); bare context {bare / MiB:.0f} MiB in use")
     if link:
-        console.print(f"pinned copy bandwidth: d2h {link['d2h']:.1f} GB/s, h2d {link['h2d']:.1f} GB/s")
+        console.print(f"pinned copy bandwidth: d2h {units.rate(link['d2h'] * 1e9, 1)}, h2d "
+                      f"{units.rate(link['h2d'] * 1e9, 1)}")
     table = Table(title="sleep (offload) and wake (restore)")
-    for col in ("engine", "workload", "cycle", "offload GB/s", "% link", "restore GB/s", "% link",
+    for col in ("engine", "workload", "cycle", "offload", "% link", "restore", "% link",
                 "awake MiB", "asleep MiB", "asleep-bare", "identical"):
         table.add_column(col, justify="right")
     def pct(value: float, key: str) -> str:
         return f"{100 * value / link[key]:.0f}%" if link else "-"
 
     for r in rows:
-        table.add_row(r["engine"], r["workload"], str(r["cycle"]), f"{r['offload_gbps']:.1f}",
-                      pct(r["offload_gbps"], "d2h"), f"{r['restore_gbps']:.1f}", pct(r["restore_gbps"], "h2d"),
+        table.add_row(r["engine"], r["workload"], str(r["cycle"]), units.rate(r["offload_gbps"] * 1e9, 1) or "-",
+                      pct(r["offload_gbps"], "d2h"), units.rate(r["restore_gbps"] * 1e9, 1) or "-",
+                      pct(r["restore_gbps"], "h2d"),
                       f"{r['awake_mib']:.0f}", f"{r['asleep_mib']:.0f}", f"{r['asleep_over_bare_mib']:+.0f}",
                       "yes" if r["identical"] else "NO")
     console.print(table)

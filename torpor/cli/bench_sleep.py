@@ -34,6 +34,9 @@ import time
 
 import torch
 
+from torpor.cli import units
+from torpor.cli.bench_sleep_report import report, report_level3, report_loader, wake_reload
+
 MiB = 2**20
 
 
@@ -208,22 +211,20 @@ def loader_figures(llm, model: str, device: str) -> dict:
                 drop_page_cache(files)
             seconds = min(timed(fn) for _ in range(2 if cache == "warm" else 1))
             rows[f"{name}_{cache}"] = dict(seconds=seconds, gbps=nbytes / 1e9 / seconds)
-            print(f"reload {name} path, page cache {cache}: {seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s",
+            print(f"reload {name} path, page cache {cache}: {units.seconds(seconds)}, {units.rate(nbytes, seconds)}",
                   flush=True)
     sweep = staging_sweep(local.model, model, device, nbytes, timed)
-    wake = level2_wake_reload(llm, files, device)
-    print(f"level-2 wake + reload: {wake['total_s']:.3f} s (wake {wake['wake_s']:.3f}, reload {wake['reload_s']:.3f})",
-          flush=True)
+    wake = level2wake_reload(llm, files, device)
+    print(f"level-2 wake + reload: {wake_reload(wake)}", flush=True)
     # The first level-2 sleep discards the weights' reserved host copy, whose pinned pages a background thread
     # gives back (~0.1 s/GiB) while the wake runs; an RL loop sleeping at level 2 every step has no copy left.
-    again = level2_wake_reload(llm, files, device)
-    print(f"level-2 wake + reload, again (no host copy left to give back): {again['total_s']:.3f} s (wake "
-          f"{again['wake_s']:.3f}, reload {again['reload_s']:.3f})", flush=True)
+    again = level2wake_reload(llm, files, device)
+    print(f"level-2 wake + reload, again (no host copy left to give back): {wake_reload(again)}", flush=True)
     return dict(checkpoint_gb=nbytes / 1e9, reload=rows, staging_sweep=sweep, level2_wake_reload=wake,
                 level2_wake_reload_again=again)
 
 
-def level2_wake_reload(llm, files, device: str) -> dict:
+def level2wake_reload(llm, files, device: str) -> dict:
     """One level-2 sleep, then the wake and `reload_weights()` timed (page cache warm)."""
     warm_page_cache(files)
     llm.sleep(2)
@@ -261,7 +262,7 @@ def staging_sweep(model_module, model: str, device: str, nbytes: int, timed) -> 
         rows[f"{count}x{mib}MiB"] = dict(buffers=count, mib=mib, threads=staging.threads, seconds=seconds,
                                          gbps=nbytes / 1e9 / seconds)
         print(f"staged reload with {count} x {mib} MiB buffers ({staging.threads} threads), page cache warm: "
-              f"{seconds:.3f} s, {nbytes / 1e9 / seconds:.1f} GB/s", flush=True)
+              f"{units.seconds(seconds)}, {units.rate(nbytes, seconds)}", flush=True)
     return rows
 
 
@@ -341,12 +342,13 @@ def level3_cycle(llm, level: int, name: str) -> dict:
                process_awake_mib=awake_nvml.get("process_bytes", -MiB) / MiB,
                process_asleep_mib=asleep_nvml.get("process_bytes", -MiB) / MiB,
                context_released=asleep["context_released"], checkpoint_active_after_wake=held is not None)
-    print(f"{name}: sleep {sleep_s:.3f} s (copied {row['copied_mib']:.0f} MiB), wake {wake_s:.3f} s; process "
+    print(f"{name}: sleep {units.seconds(sleep_s)} (copied {units.size(row['copied_mib'] * MiB)}), wake "
+          f"{units.seconds(wake_s)}; process "
           f"{row['process_awake_mib']:.0f} MiB awake, {row['process_asleep_mib']:.0f} MiB asleep (NVML); device in "
           f"use asleep {row['asleep_mib']:.0f} MiB" + (
-              f"; of the sleep, the context's checkpoint {driver['checkpoint_s']:.3f} s, of the wake its restore "
-              f"{driver['restore_s']:.3f} s (driver: " + ", ".join(
-                  f"{k} {v:.3f} s" for k, v in {**driver['checkpoint'], **driver['restore']}.items()) + ")"
+              f"; of the sleep, the context's checkpoint {units.seconds(driver['checkpoint_s'])}, of the wake its "
+              f"restore {units.seconds(driver['restore_s'])} (driver: " + ", ".join(
+                  f"{k} {units.seconds(v)}" for k, v in {**driver['checkpoint'], **driver['restore']}.items()) + ")"
               if taken else ""), flush=True)
     return row
 
@@ -365,7 +367,7 @@ def start_up_with_and_without_reservation(model: str, args: argparse.Namespace, 
 
 
 def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
-    """Issue 15's figures; see the module docstring."""
+    """`--level3`: the figures of sleep to zero; see the module docstring."""
     from torpor.memory import checkpoint, cuda_driver
     from torpor.testing.harness import level3_scenarios, level3_soak_scenarios
 
@@ -392,36 +394,6 @@ def run_level3(args: argparse.Namespace, model: str, results: dict) -> int:
     exact = harness_and_soak(llm, args, results, level3_scenarios(), level3_soak_scenarios())
     report_level3(results)
     return finish(results, args, exact)
-
-
-def report_level3(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
-    link = ", ".join(f"{k} {v:.1f} GB/s" for k, v in r["link_gbps"].items())
-    slower = r["start_s_reserving"] / r["start_s_not_reserving"] - 1
-    console.print(f"{r['model']} on {r['device']}; bare context {r['bare_mib']:.0f} MiB; pinned link {link}; "
-                  f"start-up to first token {r['start_s_reserving']:.2f} s reserving host copies, "
-                  f"{r['start_s_not_reserving']:.2f} s not ({slower:+.1%}; goal <= +5%); reserved "
-                  f"{r['reservation']['gib']:.2f} GiB in {r['reservation']['seconds']:.2f} s")
-    table = Table(title="sleep levels 1, 3, 4 (goals: first sleep <= 0.4 s, re-sleep <= 0.05 s, level 3 asleep "
-                        "0 MiB in the process, level-3 wake <= level-1 wake + 0.3 s)")
-    for col in ("case", "sleep s", "copied MiB", "wake s", "process awake MiB (NVML)", "process asleep MiB (NVML)",
-                "device in use asleep MiB"):
-        table.add_column(col, justify="right")
-    for row in r["rows"]:
-        table.add_row(row["name"], f"{row['sleep_s']:.3f}", f"{row['copied_mib']:.0f}", f"{row['wake_s']:.3f}",
-                      f"{row['process_awake_mib']:.0f}", f"{row['process_asleep_mib']:.0f}", f"{row['asleep_mib']:.0f}")
-    console.print(table)
-    console.print("(process MiB -1: no NVML reading; 0 while awake: NVML does not list this PID, e.g. another PID "
-                  "namespace, and the asleep 0 proves nothing)")
-    for h in r["harness"]:
-        verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
-        console.print(f"harness {h['name']}: {verdict} (sleep {h['sleep_s']:.3f} s, wake {h['wake_s']:.3f} s)")
-    s = r["soak"]
-    console.print(f"level-3 soak: {s['exact']}/{s['cycles']} cycles exact, device drift {s['device_slope_mib']:+.3f} "
-                  f"MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.3f} MiB/cycle")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -460,8 +432,8 @@ def run(args: argparse.Namespace) -> int:
     results["cold_start_s"] = cold_s  # in this process: CUDA context, kernels and page cache warm
     results["cold_start_phases"] = cold_start_phases(model, args)
     results["cold_start_process_s"] = results["cold_start_phases"]["total_s"]
-    print(f"cold start: {cold_s:.1f} s in this process, {results['cold_start_process_s']:.1f} s as a new process",
-          flush=True)
+    print(f"cold start: {units.seconds(cold_s)} in this process, {units.seconds(results['cold_start_process_s'])} as a "
+          "new process", flush=True)
     # The first level-1 sleep also pins the host buffers the later ones reuse.
     # level1_first: right after start-up, while the host copies may still be being reserved in the background
     # (the sleep takes the rest over); level1: a full copy, as after a weight update (the re-sleep that keeps a
@@ -470,7 +442,8 @@ def run(args: argparse.Namespace) -> int:
         llm.engine.mark_weights_dirty()
         results[name] = figures = memory_figures(llm, device, level)
         print(f"{name}: awake {figures['awake_mib']:.0f} MiB, asleep {figures['asleep_mib']:.0f} MiB "
-              f"(bare {bare / MiB:.0f}), sleep {figures['sleep_s']:.3f} s, wake {figures['wake_s']:.3f} s", flush=True)
+              f"(bare {bare / MiB:.0f}), sleep {units.seconds(figures['sleep_s'])}, wake "
+              f"{units.seconds(figures['wake_s'])}", flush=True)
     results["loader"] = loader_figures(llm, model, device)
     exact = harness_and_soak(llm, args, results)
     report(results)
@@ -490,7 +463,7 @@ def run_soak(model: str, args: argparse.Namespace, results: dict) -> int:
     llm, results["cold_start_s"] = build(model, args)
     exact = harness_and_soak(llm, args, results)
     s = results["soak"]
-    print(f"soak: {s['exact']}/{s['cycles']} cycles exact in {s['seconds']:.0f} s; device drift "
+    print(f"soak: {s['exact']}/{s['cycles']} cycles exact in {units.seconds(s['seconds'])}; device drift "
           f"{s['device_slope_mib']:+.4f} MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.4f} MiB/cycle (slope of "
           f"each scenario's readings, the largest); device {s['device_mib_first_last'][0]:.0f} -> "
           f"{s['device_mib_first_last'][1]:.0f} MiB, host RSS {s['host_rss_mib_first_last'][0]:.0f} -> "
@@ -579,120 +552,6 @@ def run_cold_starts(model: str, args: argparse.Namespace, results: dict) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
-
-
-ALTERNATED_LABELS = {"loaded_first": "the old path (loaded first, every size warmed up)",
-                     "overlapped": "loaded beside, every size warmed up",
-                     "overlapped_one_warmup": "the default (loaded beside, one warm-up)"}
-
-
-def report_loader(r: dict) -> None:
-    from rich.console import Console
-
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
-    if "loader" in r:
-        report_reloads(console, r)
-    for key, label in (("cold_start_phases_profiling", "profiling its step"),
-                       ("cold_start_phases", "the step's memory read back"),
-                       ("cold_start_phases_overlapped", "read back, the weights loaded beside the KV sizing and "
-                                                        "graph capture, every size warmed up"),
-                       ("cold_start_phases_default", "read back, the default (loaded beside, one warm-up)"),
-                       ("cold_start_phases_one_warmup", "read back, loaded first, only the largest graph size "
-                                                        "warmed up"),
-                       ("cold_start_phases_profiled", "read back, the default under cProfile (slower: the "
-                                                      "profiler's cost)"),
-                       ("cold_start_phases_cold_cache", "read back, the page cache dropped first"),
-                       ("cold_start_phases_cold_cache_overlapped", "read back, the page cache dropped first, the "
-                                                                   "default")):
-        if key in r:
-            c = r[key]
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
-            read_back = "read back" if c.get("kv_profile_read_back") else "measured"
-            cache = f"bytecode cache {c['bytecode_cache']}" if c.get("bytecode_cache") else "no bytecode cache"
-            console.print(f"cold start in a new process, {label}: {c['total_s']:.2f} s (step memory {read_back}, "
-                          f"{cache}); phases (s): {phases}")
-            if c.get("graph_capture"):
-                sizes = ", ".join(f"{g['batch_size']}: {g['warm_up_s']:.3f}+{g['capture_s']:.3f}"
-                                  for g in c["graph_capture"])
-                console.print(f"  graph capture by batch size (warm-up + capture, s): {sizes}")
-            if c.get("weight_load_beside_s") is not None:
-                console.print(f"  the weight load on its own thread, beside the KV sizing and graph capture: "
-                              f"{c['weight_load_beside_s']:.2f} s ({c['load_threads_beside']} reader threads)")
-            for line in c.get("profile", []):
-                console.print(f"  {line}", highlight=False, markup=False)
-    if "cold_start_alternated" in r:
-        for name, runs in r["cold_start_alternated"].items():
-            totals = sorted(run["total_s"] for run in runs)
-            capture = sorted(run["phases"].get("cuda_graph_capture", 0.0) for run in runs)
-            median = totals[len(totals) // 2]
-            label = ALTERNATED_LABELS.get(name, name)
-            console.print(f"cold start, read back, {label}, alternated: median {median:.2f} s "
-                          f"(runs {', '.join(f'{t:.2f}' for t in totals)}; graph capture median "
-                          f"{capture[len(capture) // 2]:.2f} s; goal <= 4 s)")
-
-
-def report_reloads(console, r: dict) -> None:
-    from rich.table import Table
-
-    loader = r["loader"]
-    table = Table(title=f"reload of {loader['checkpoint_gb']:.2f} GB ({r['model']} on {r['device']}): plain vs staged")
-    for col in ("path", "page cache", "seconds", "GB/s"):
-        table.add_column(col, justify="right")
-    for key, row in loader["reload"].items():
-        path, cache = key.rsplit("_", 1)
-        label = {"old": "plain (safe_open)", "new": "staged (torpor)"}.get(path, path)
-        table.add_row(label, cache, f"{row['seconds']:.3f}", f"{row['gbps']:.1f}")
-    console.print(table)
-    w = loader["level2_wake_reload"]
-    console.print(f"level-2 wake + reload: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
-                  f"reload {w['reload_s']:.3f} s)")
-    if "level2_wake_reload_again" in loader:
-        w = loader["level2_wake_reload_again"]
-        console.print(f"level-2 wake + reload, again: {w['total_s']:.3f} s (wake {w['wake_s']:.3f} s, "
-                      f"reload {w['reload_s']:.3f} s; goal <= 0.8 s)")
-    if "answers_unchanged" in loader:
-        console.print(f"answers after the reloads: {'unchanged' if loader['answers_unchanged'] else 'CHANGED'}")
-
-
-def report(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
-    link = ", ".join(f"{k} {v:.1f} GB/s" for k, v in r["link_gbps"].items())
-    console.print(f"{r['model']} on {r['device']}; bare context {r['bare_mib']:.0f} MiB; pinned link {link}; "
-                  f"cold start {r['cold_start_s']:.1f} s in process, {r['cold_start_process_s']:.1f} s new process")
-    table = Table(title="device memory per tag (MiB) and sleep/wake")
-    for col in ("case", "awake", "asleep", "asleep - bare", "sleep s", "copied MiB", "ideal s", "wake s",
-                "cold start / wake (in process)", "(new process)"):
-        table.add_column(col, justify="right")
-    d2h = r["link_gbps"].get("d2h", 0)
-    for name in ("untagged_runtime", "level1_first", "level1", "level2"):
-        if name not in r:
-            continue
-        f = r[name]
-        ideal = f["sleep_copied_mib"] * MiB / (d2h * 1e9) if d2h else 0.0
-        over_bare = f["asleep_mib"] - r["bare_mib"]
-        ratios = [f"{r[key] / f['wake_s']:.0f}x" if f["wake_s"] else "-"
-                  for key in ("cold_start_s", "cold_start_process_s")]
-        table.add_row(name, f"{f['awake_mib']:.0f}", f"{f['asleep_mib']:.0f}", f"{over_bare:+.0f}",
-                      f"{f['sleep_s']:.3f}", f"{f['sleep_copied_mib']:.0f}", f"{ideal:.3f}",
-                      f"{f['wake_s']:.3f}", *ratios)
-    console.print(table)
-    f = r["level1"]
-    console.print(f"asleep at level 1: {f['asleep_tagged_mib']:.0f} MiB still mapped in tags, "
-                  f"{f['asleep_untagged_pool_mib']:.0f} MiB in PyTorch's default pool (graph RNG state, untagged), "
-                  f"{f['asleep_other_mib']:.0f} MiB outside any allocator (context, streams, kernel code)")
-    for tag, t in r["level1"]["tags"].items():
-        console.print(f"  {tag}: {t['awake_mib']:.1f} MiB resident awake")
-    for h in r["harness"]:
-        verdict = "exact" if h["mismatches"] == 0 else f"{h['mismatches']} requests differ"
-        console.print(f"harness {h['name']}: {verdict}")
-    report_loader(r)
-    s = r["soak"]
-    console.print(f"soak: {s['exact']}/{s['cycles']} cycles exact, device drift {s['device_slope_mib']:+.3f} "
-                  f"MiB/cycle, host RSS drift {s['host_rss_slope_mib']:+.3f} MiB/cycle (slope of each scenario's "
-                  "readings, the largest)")
 
 
 def _release(device: str) -> None:

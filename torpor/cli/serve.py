@@ -216,7 +216,7 @@ def _load_engine(args: argparse.Namespace):
     if defaults != SamplingParams():
         changed = {k: v for k, v in dataclasses.asdict(defaults).items() if getattr(SamplingParams(), k) != v}
         _say(f"request defaults from generation_config.json (--generation-config {config.generation_config}): "
-             f"{changed}")
+             + ", ".join(f"{k}={v}" for k, v in changed.items()))
     return llm
 
 

@@ -47,3 +47,17 @@ def rate(nbytes: float, value_s: float) -> str | None:
         if per_s >= unit:
             return f"{number(per_s / unit)} {name}"
     return f"{per_s:.0f} B/s"
+
+
+def goal(text: str, met: bool, applies: bool) -> str:
+    """A goal beside a figure: "(goal >= 1.5x: met)" where the run is the one the goal is for (a GPU run of
+    the goal's workload), "(CPU smoke run: no goal)" elsewhere, so that a smoke run's figure never reads as a
+    failure."""
+    if not applies:
+        return "(CPU smoke run: no goal)"
+    return f"(goal {text}: {'met' if met else 'NOT met'})"
+
+
+def percent(fraction: float) -> str:
+    """0.701 -> "70.1%", 0.00462 -> "0.462%"."""
+    return f"{number(100 * fraction)}%"

@@ -158,7 +158,7 @@ def run_harness(llm, requests: list[Request], log: Callable[[str], None] = print
         scenario.sleep_s, scenario.wake_s, scenario.asleep_bytes = scenario.run(llm)
         scenario.mismatches = len(differences(reference, run_round(llm, requests)))
         log(f"{scenario.name}: {len(requests) - scenario.mismatches}/{len(requests)} bit-identical "
-            f"(sleep {scenario.sleep_s:.3f} s, wake {scenario.wake_s:.3f} s, "
+            f"(sleep {scenario.sleep_s * 1e3:.3g} ms, wake {scenario.wake_s * 1e3:.3g} ms, "
             f"asleep {scenario.asleep_bytes / 2**20:.0f} MiB)")
         results.append(scenario)
     return results
