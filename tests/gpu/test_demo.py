@@ -1,4 +1,4 @@
-"""`torpor demo` on a GPU (issue 11, the main job): the qwen3-0.6b geometry with synthetic weights, said so,
+"""`torpor demo` on a GPU (the main job): the qwen3-0.6b geometry with synthetic weights, said so,
 GiB moved at tens of GB/s, every answer bit-identical, the plot where it was asked for."""
 
 import os
