@@ -57,6 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "path, level-2 wake + reload, cold start phases)")
     p.add_argument("--cold-start-only", action="store_true", help="only the cold starts in new processes, by phase "
                    "(one profiling the KV-sizing step, one reading it back, one without the bytecode cache)")
+    p.add_argument("--cold-start-rounds", type=int, default=3, metavar="N",
+                   help="cold starts: rounds of the alternated starts, each start kind once per round (default: 3)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--level3", action="store_true", help="measure sleep levels 3/4, the first sleep with "
                    "reserved host copies and the re-sleep without copying (CUDA only; see above)")
@@ -520,14 +522,14 @@ def cold_starts(model: str, args: argparse.Namespace, results: dict) -> None:
     """A restart profiling its KV-sizing step (the old path: weights loaded first, every graph size warmed up);
     then restarts reading back the step it measured: the old path (TORPOR_OVERLAP_LOAD=0,
     TORPOR_CAPTURE_WARMUPS=every), the weights loaded beside the KV sizing and the graph capture with every size
-    warmed up, and the default (beside, one warm-up), alternated three times each (`cold_start_alternated`: the
-    machine's noise moves them alike; the rows named as before are the first of each); the default under cProfile
-    (where the start-up's own time goes); loaded first with one warm-up; the old path and the default again with the
-    checkpoint's page cache dropped first."""
+    warmed up, and the default (beside, one warm-up), alternated `--cold-start-rounds` times each
+    (`cold_start_alternated`: the machine's noise moves them alike; the rows named as before are the first of
+    each); the default under cProfile (where the start-up's own time goes); loaded first with one warm-up; the old
+    path and the default again with the checkpoint's page cache dropped first."""
     results["cold_start_phases_profiling"] = cold_start_phases(model, args, kv_profile_cache=False, overlap_load=False,
                                                                capture_warmups="every")
     alternated: dict[str, list[dict]] = {"loaded_first": [], "overlapped": [], "overlapped_one_warmup": []}
-    for _ in range(3):
+    for _ in range(max(1, args.cold_start_rounds)):
         alternated["loaded_first"].append(cold_start_phases(model, args, overlap_load=False, capture_warmups="every"))
         alternated["overlapped"].append(cold_start_phases(model, args, overlap_load=True, capture_warmups="every"))
         alternated["overlapped_one_warmup"].append(cold_start_phases(model, args))
