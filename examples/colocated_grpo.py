@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.n < 4:
         p.error("--n must be >= 4 (a GRPO group)")
+    if args.plot and not Path(args.plot).expanduser().absolute().parent.is_dir():
+        p.error(f"--plot {args.plot}: the folder does not exist")
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     return args
 
