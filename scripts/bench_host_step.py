@@ -174,7 +174,7 @@ def main() -> None:
         prompts = [[rng.randrange(1000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         params = [SamplingParams(temperature=1.0, seed=i, n=n, max_tokens=args.output_len, ignore_eos=True)
                   for i in range(args.prompts)]
-        engine.generate(prompts[:2], params[:2])  # warm-up
+        engine.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         if args.no_forward:
             skip_forward()
         recorder, phases = Recorder(), None
@@ -183,7 +183,7 @@ def main() -> None:
             recorder.reset()
             engine.reset_prefix_cache()
             start = CLOCK[0]()
-            engine.generate(prompts, params)
+            engine.generate(prompts, params, use_tqdm=False)
             wall = CLOCK[0]() - start
             run = recorder.report(wall, sampler_host_seconds(recorder, args.prompts * n))
             if phases is None or host_ms(run) < host_ms(phases):

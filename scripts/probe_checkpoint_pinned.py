@@ -1,7 +1,7 @@
 """Probe (CUDA, driver >= 570): does the driver's checkpoint/restore of this process's CUDA context cost time
 per byte of *pinned host memory* the process holds? A level-3 sleep of qwen3-8b keeps the weights' 15.6 GB
 host copy pinned (registered): its context checkpoint took 0.71 s and restore 0.78 s, against 0.44 s / 0.37 s
-at level 4, where that copy is gone (2026-12-01 run 7). This holds a small context (one 64 MiB tensor), pins
+at level 4, where that copy is gone (docs/benchmarks.md). This holds a small context (one 64 MiB tensor), pins
 `--gib` sizes of host memory the way torpor's host copies are pinned (huge-page mmap + cuMemHostRegister,
 `HostBuffer`), and times checkpoint and restore (the driver's calls apart) at each size.
 

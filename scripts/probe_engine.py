@@ -24,7 +24,7 @@ def engine(model: str) -> None:
     torch.cuda.memory._record_memory_history(max_entries=200000)
     before = used()
     llm = LLM(model, device="cuda", max_num_seqs=64, max_model_len=2048)
-    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     print(f"  awake: +{(used() - before) / MiB:.0f} MiB over the process before start-up; "
           f"stack limit {stack_limit()} B/thread")
     llm.sleep(1)
@@ -67,13 +67,15 @@ def phases(model: str) -> None:
     report("start-up (load, profile, KV cache, graphs)")
     prefix = list(range(3, 40))
     plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm.generate([[*prefix, 7, 8], [5] * 3], plain)
+    llm.generate([[*prefix, 7, 8], [5] * 3], plain, use_tqdm=False)
     report("greedy prefill + decode")
-    llm.generate([[*prefix, 7, 9]], SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=8))
+    llm.generate([[*prefix, 7, 9]], SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=8),
+                 use_tqdm=False)
     report("seeded sampling")
-    llm.generate([[4] * 9], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1))
+    llm.generate([[4] * 9], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1),
+                 use_tqdm=False)
     report("logprobs + prompt logprobs")
-    llm.generate([[*prefix, 11, 12]], plain)
+    llm.generate([[*prefix, 11, 12]], plain, use_tqdm=False)
     report("prefill over a cached prefix (masked attention)")
     llm.sleep(1)
     report("asleep, level 1")
@@ -124,7 +126,7 @@ def throughput(model: str) -> None:
         for entry in spent.values():
             entry[:] = [0.0, 0]
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - start
         print(f"  TORPOR_GEMM={os.environ.get('TORPOR_GEMM', '(unset)')} run {attempt}: {total:.2f} s; " + "; ".join(
             f"{name} {sec:.2f} s / {num}" for name, (sec, num) in spent.items()), flush=True)

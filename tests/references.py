@@ -198,7 +198,7 @@ def shared_prefix_decode_inputs(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The sampler as it was before 2026-12-02 (a full-vocabulary int64 cumsum per draw, four host copies for
+# The sampler as it was before the block-sum search (a full-vocabulary int64 cumsum per draw, four host copies for
 # logprobs): the reference the new draw and logprobs must equal bit for bit (tests/cpu/test_sampler_exact.py,
 # tests/gpu/test_sampler_exact.py, scripts/bench_sampler.py). Copied verbatim; only names changed. The call
 # itself is `Sampler`'s (that change left its frame alone): the old draw comes in through `_sample`, the old
@@ -285,7 +285,7 @@ class ReferenceSampler(Sampler):
 
 
 def logprob_dicts_reference(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """The sampler's `_logprob_dicts` before 2026-12-02 (four host copies), verbatim."""
+    """The sampler's `_logprob_dicts` before the single host copy (four host copies), verbatim."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)                   # [rows, vocab]
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)             # [rows]
     max_top = max(num_top)

@@ -14,7 +14,7 @@ from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from torpor.engine.weights.loader import load_weights
 from torpor.synthetic import PRESETS, default_model_path, make_model
 from torpor.synthetic.generator import config_json, plan_shards, weight_specs
-from torpor.synthetic.tokenizer_builder import build_tokenizer
+from torpor.synthetic.tokenizer_builder import build_tokenizer, special_token_ids
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -108,6 +108,28 @@ def test_tokenizer_round_trip_and_unknown_ids(tmp_path, preset):
     assert tokenizer.decode([*ids[:2], 100_000, 5000, *ids[2:4]]) == (
         tokenizer.decode(ids[:2]) + "<unk_100000><unk_5000>" + tokenizer.decode(ids[2:4])
     )
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.1-8b"])
+def test_real_geometry_tokenizers_decode_every_id_to_words(tmp_path, preset):
+    """A synthetic model samples every id of its vocabulary: each decodes to readable (meaningless) text, the
+    same on every build, while text still encodes with the corpus's merges and the special ids stay put."""
+    spec = PRESETS[preset]
+    built = build_tokenizer(spec)
+    assert built.to_str() == build_tokenizer(spec).to_str()  # deterministic
+    (tmp_path / "tokenizer.json").write_text(built.to_str())
+    tokenizer = Tokenizer.from_pretrained(tmp_path)
+    vocab = spec.config["vocab_size"]
+    assert tokenizer.vocab_size == vocab and built.get_vocab_size() == vocab  # no id left to <unk_ID>
+    specials = set(special_token_ids(spec).values())
+    ids = [i for i in range(0, vocab, 7) if i not in specials]
+    text = tokenizer.decode(ids)
+    assert "<unk_" not in text and "\ufffd" not in text[2000:]  # (byte pieces of the corpus come first)
+    words = text[2000:].split()
+    assert len(words) > len(ids) / 3 and sum(w.isalpha() and w.isascii() for w in words) > 0.95 * len(words)
+    assert tokenizer.decode(tokenizer.encode("Hello, the dormouse sleeps.", add_special_tokens=False)) == (
+        "Hello, the dormouse sleeps.")
+    assert len(tokenizer.encode("the dormouse sleeps", add_special_tokens=False)) <= 5  # learnt merges only
 
 
 def test_special_tokens_keep_real_ids():

@@ -1,4 +1,4 @@
-"""The `torpor` command's errors (issue 11.13): one clean line on stderr and a non-zero exit, never a traceback;
+"""The `torpor` command's errors: one clean line on stderr and a non-zero exit, never a traceback;
 `--plot` is checked before the demo runs; a misspelled option is named by its subcommand with the option meant.
 And `torpor --version`."""
 

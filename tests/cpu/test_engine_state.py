@@ -1,5 +1,5 @@
-"""The engine's one state and one text path (issue 12.1-12.3) and the hangs of issue 11 (11.3, 11.4, 11.11):
-every test here failed (or hung) on the code before."""
+"""The engine's one state and one text path, and hangs that are gone: every test here failed (or hung) on the
+code before."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""No import cycle in `torpor/` (issue 12.5): module-level imports only, `if TYPE_CHECKING:` blocks included
+"""No import cycle in `torpor/`: module-level imports only, `if TYPE_CHECKING:` blocks included
 (imports inside functions are lazy by design and not counted)."""
 
 from __future__ import annotations

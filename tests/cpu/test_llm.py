@@ -140,7 +140,7 @@ def test_stop_token_ids_and_length_limits(tiny):
     out = tiny.generate([prompt], greedy(max_tokens=30, stop_token_ids=[stop_token]))[0].outputs[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_token)
-    # prompt + max_tokens beyond max_model_len (96) is refused (issue 11.8: it was silently cut short)
+    # prompt + max_tokens beyond max_model_len (96) is refused (it was once silently cut short)
     long_prompt = random_prompts([90], seed=9)[0]
     with pytest.raises(ValueError, match=r"together 140, beyond max_model_len \(96\).*at most 6 tokens"):
         tiny.generate([long_prompt], greedy(max_tokens=50))

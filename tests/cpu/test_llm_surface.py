@@ -2,6 +2,7 @@
 `collective_rpc`, dict prompts, `Logprob` entries, generation-config defaults, and models named by their
 Hugging Face Hub id, resolved through a real huggingface_hub over a fake local cache (no network)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -116,6 +117,38 @@ def test_logprob_entries_rank_and_text(llm):
     assert out.prompt_logprobs[0] is None
     for token, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
         assert token in entries and sorted(e.rank for e in entries.values() if e.rank) == [1]
+
+
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs(llm):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, n=2, logprobs=0)
+    [out] = llm.generate(["Count the stars"], params)
+    for completion in out.outputs:
+        sampled = [entries[t].logprob for t, entries in zip(completion.token_ids, completion.logprobs, strict=True)]
+        assert completion.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-9) and sum(sampled) < 0
+    [plain] = llm.generate(["Count the stars"], greedy())
+    assert plain.outputs[0].cumulative_logprob is None  # no logprobs asked for: None, as vLLM
+
+
+@pytest.mark.slow  # a subprocess on a terminal
+@pytest.mark.parametrize("use_tqdm", [None, False])
+def test_generate_shows_vllms_progress_bar_on_a_terminal_unless_turned_off(tiny_model_path, use_tqdm):
+    import pty
+
+    argument = "" if use_tqdm is None else f", use_tqdm={use_tqdm}"
+    code = (f"from torpor import LLM, SamplingParams; llm = LLM({tiny_model_path!r}, device='cpu', max_model_len=64); "
+            f"print(len(llm.generate(['a', 'b', 'c'], SamplingParams(max_tokens=2){argument})))")
+    main, terminal = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=terminal, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": REPO})
+    os.close(terminal)
+    shown = b""
+    with contextlib.suppress(OSError):  # EIO once the process has exited and its output is drained
+        while chunk := os.read(main, 65536):
+            shown += chunk
+    os.close(main)
+    printed = process.stdout.read()
+    assert process.wait(timeout=120) == 0 and printed == "3\n", shown
+    assert (b"Processed prompts" in shown and b"3/3" in shown) == (use_tqdm is None), shown
 
 
 def test_collective_rpc_runs_engine_methods_by_name(llm):

@@ -117,7 +117,7 @@ def test_mark_clean_refuses_a_sleeping_or_unknown_tag(mm):
         mm.mark_dirty("brain")
 
 
-# ---- issue 11.2: writes into a sleeping tag ----------------------------------------------------
+# ---- writes into a sleeping tag -------------------------------------------------------------
 def test_a_write_into_a_discarded_tag_while_asleep_is_zeroed_on_wake(mm):
     with mm.tag("kv_cache"):
         kv = torch.zeros(5000)

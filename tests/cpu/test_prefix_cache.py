@@ -320,6 +320,8 @@ def test_bench_generate_runs_on_cpu(tiny_model_path, tmp_path, capsys):
                  "--hf-batch-size", "1", "--profile", "2", "--json", str(out)]) == 0
     import json
 
+    printed = capsys.readouterr().out
+    assert printed.count("(CPU smoke run: no goal)") == 2 and "goal >=" not in printed  # the goals are GPU figures
     result = json.loads(out.read_text())
     assert result["cached"]["output_tokens"] == result["uncached"]["output_tokens"] == 3 * 3 * 4
     assert result["transformers"]["output_tokens"] == 3 * 4 and result["caching_speedup"] > 0

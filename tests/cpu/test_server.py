@@ -325,7 +325,7 @@ def test_64_concurrent_mixed_requests_right_after_a_wake(server):
     ("/v1/completions", {"prompt": "hi", "max_tokens": CAP + 1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": list(range(1, 129))}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": list(range(1, 101)), "max_tokens": 40}, 400, "max_tokens"),  # issue 11.8
+    ("/v1/completions", {"prompt": list(range(1, 101)), "max_tokens": 40}, 400, "max_tokens"),  # not cut short
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),

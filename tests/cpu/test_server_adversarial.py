@@ -1,4 +1,4 @@
-"""The server against bad and hostile input (issue 11), over real HTTP against the tiny fp32 model on
+"""The server against bad and hostile input, over real HTTP against the tiny fp32 model on
 CPU: bad checkpoints and paths for /reload_weights, non-finite logprobs, unknown fields, loose types,
 SGLang's per-tag release, the messages a client gets, auth scope, 405's `Allow`. Each test failed on
 the server before its fix."""

@@ -100,6 +100,38 @@ def test_serve_runs_and_stops_cleanly_on_sigterm(tiny_model_path, tmp_path):
 
 
 @pytest.mark.slow  # a subprocess
+def test_plain_serve_announces_once_it_accepts_connections_and_serves_the_tiny_model_as_tiny():
+    """A launch script that waits for the "serving ... on http://..." line connects at once, with no retry,
+    while every other core is busy; the embedded model is served as "tiny", whatever its cache folder."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 2) - 1)]
+    env = {**os.environ, "TORPOR_ADMIN_TOKEN": "", "TORPOR_API_KEY": ""}
+    process = subprocess.Popen([sys.executable, "-m", "torpor", "serve", "--device", "cpu", "--port", "0",
+                                "--max-model-len", "64", "--max-num-seqs", "2", "--log-level", "warning"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [process.stderr.readline()]
+        while "serving" not in lines[-1]:
+            assert lines[-1], "the server did not start:\n" + "".join(lines)
+            lines.append(process.stderr.readline())
+        host, port = re.search(r"http://([\d.]+):(\d+)", lines[-1]).groups()
+        with socket.create_connection((host, int(port)), timeout=30) as first:  # at once: no retry, no sleep
+            first.sendall(b"GET /health HTTP/1.1\r\nHost: torpor\r\nConnection: close\r\n\r\n")
+            assert first.makefile("rb").readline().startswith(b"HTTP/1.1 200")
+        for burner in burners:
+            burner.kill()
+        with httpx.Client(base_url=f"http://{host}:{port}", timeout=30) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
+            answer = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+        assert "stopped" in stop_server(process)
+    finally:
+        for child in [*burners, process]:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+
+
+@pytest.mark.slow  # a subprocess
 def test_serve_tensor_parallel_answers_like_one_process_and_sleeps_on_every_rank(tiny_model_path):
     from torpor.engine import LLM, SamplingParams
 

@@ -1,4 +1,4 @@
-"""Start-up (issue 16): what a new process imports to start an engine, and the garbage collector paused
+"""Start-up: what a new process imports to start an engine, and the garbage collector paused
 meanwhile (torpor/lazy.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14: the fixed costs of a push in buckets were cut without weakening a check or a guarantee.
+"""The fixed costs of a push in buckets were cut without weakening a check or a guarantee.
 
 - the validation memo (`check_sources`) still refuses a wrong shape, a duplicate, an unknown name and a partial
   set after the same names were accepted;

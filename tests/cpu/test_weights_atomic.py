@@ -1,4 +1,4 @@
-"""A failed reload or update never leaves a mix of old and new weights being served (issue 11 items 1, 7):
+"""A failed reload or update never leaves a mix of old and new weights being served:
 every header and every tensor of a list is checked before a byte is written; a stream that fails midway,
 or non-finite values found after the copy, make the engine refuse to serve until a complete reload."""
 

@@ -386,7 +386,7 @@ def test_reserve_host_pins_the_copies_before_the_first_sleep():
 def test_a_dropped_registered_buffer_is_unregistered_before_its_memory_is_unmapped():
     """A registered buffer collected without free() (an engine never closed) must leave the driver no
     registration of unmapped memory: the next mapping at that address would fail (ALREADY_MAPPED, then
-    "invalid argument" copies out of a pageable buffer there: seen in the 2026-12-01 GPU run 2)."""
+    "invalid argument" copies out of a pageable buffer there: seen on an H200)."""
     from torpor.engine.weights.staging import _as_bytes
     from torpor.memory import cuda_driver
     from torpor.memory.cuda_driver import CudaDriverError

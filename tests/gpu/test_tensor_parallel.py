@@ -62,7 +62,7 @@ TOKEN_LOGPROB_TOL = 0.25
 FLIP_GAP = 0.25
 MIN_EQUAL_FRACTION = 0.3
 GREEDY_TOKENS = 8
-# Per GPU, at levels 1 and 2 (issue 17: TP=1 is +58 MiB; NCCL's communicator alone was ~1 GiB).
+# Per GPU, at levels 1 and 2 (TP=1 is +58 MiB; NCCL's communicator alone was ~1 GiB).
 ASLEEP_OVER_BARE_MAX_MIB = 64 if os.environ.get("TORPOR_TP_COMM") == "torpor" else 3072
 TINY = dict(device="cuda:0", max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=256)
 # 64 requests of up to 256 prompt + 32 output tokens, all in one batch; a fixed KV size, the same for

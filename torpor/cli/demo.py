@@ -4,9 +4,11 @@ Starts the engine -- on a GPU with the qwen3-0.6b geometry (synthetic weights, g
 the cache), on CPU with the embedded tiny model, or on --model -- answers a fixed batch of requests
 (greedy and seeded sampling, with logprobs), then runs three sleep/wake cycles -- level 1 with a
 full wake, level 1 with a selective wake (weights, then KV cache), level 2 with the weights
-reloaded -- and after each checks that every answer is bit-identical to the first. Prints per-tag
-memory awake / asleep / after the wake, the device memory in use (RSS on CPU), sleep and wake
-times and copy speeds, and writes a plot of memory over the timeline.
+reloaded -- and after each checks that every answer is bit-identical to the first. Prints, per
+cycle, the bytes in the tags' tensors and the device memory in use (RSS on CPU) awake / asleep /
+woken, and the sleep and wake times (--wide: every tag, the host copies, the bytes copied and the
+rates), and writes a plot of memory over the timeline (into the cache folder unless --plot says
+where).
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import sys
 import time
 from pathlib import Path
 
+from torpor.cli import units
+
 MiB, GiB = 2**20, 2**30
+WIDE_COLUMNS = 160  # --wide into a pipe
 GPU_PRESET = "qwen3-0.6b"  # a real geometry: GiB to move, so the table shows link speed
 PLOT_FORMATS = (".png", ".pdf", ".svg")
-CYCLES = {
-    "level 1, full wake": (1, [None], False),
-    "level 1, weights then kv_cache": (1, [["weights"], ["kv_cache"]], False),
-    "level 2, weights + reload, kv_cache": (2, [["weights"], ["kv_cache"]], True),
+CYCLES = {  # name: (level, the tags of each wake_up call, reload the weights after the first)
+    "sleep(1), wake all": (1, [None], False),
+    "sleep(1), weights, kv_cache": (1, [["weights"], ["kv_cache"]], False),
+    "sleep(2), weights, reload, kv_cache": (2, [["weights"], ["kv_cache"]], True),
 }
 PROMPTS = ["The engine fell asleep", "Memory comes back", "Every byte returns", "A quiet GPU",
            "Wake up and answer", "Offload, discard, keep", "Graphs stay valid", "Bit for bit"]
@@ -36,20 +41,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"checkpoint folder (default: on a GPU the {GPU_PRESET} geometry with synthetic weights, "
                         "generated once into the cache; on CPU the embedded tiny model)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
-    p.add_argument("--plot", default="torpor-demo-memory.png",
-                   help="where to write the memory plot: .png, .pdf or .svg ('' = none)")
+    p.add_argument("--plot", default=None,
+                   help="where to write the memory plot: .png, .pdf or .svg ('' = none; default: "
+                        "torpor-demo-memory.png in the cache folder, ~/.cache/torpor or $TORPOR_CACHE)")
+    p.add_argument("--wide", action="store_true",
+                   help="the full table: every tag, the host copies, the bytes each copy moved and its rate")
     p.set_defaults(func=run)
 
 
 class Timeline:
-    """Device memory and per-tag resident bytes at each event of the demo."""
+    """Device memory, host copies and per-tag bytes at each event of the demo."""
 
     def __init__(self, llm) -> None:
         self.llm, self.start, self.rows = llm, time.perf_counter(), []
 
     def mark(self, event: str) -> dict:
         usage = self.llm.memory_usage()
+        # live: bytes in the tag's tensors while they are on the device (0 while the tag sleeps); resident:
+        # the device memory its segments hold (on CPU whole 16 MiB chunks, even for a few live bytes)
+        live = {tag: u["allocated_bytes"] if u["resident_bytes"] else 0 for tag, u in usage["tags"].items()}
         row = dict(t=time.perf_counter() - self.start, event=event, device=usage["device_used_bytes"],
+                   host=usage["host_backup_bytes"], live=live,
                    tags={tag: u["resident_bytes"] for tag, u in usage["tags"].items()})
         self.rows.append(row)
         return row
@@ -118,14 +130,14 @@ def cycle(llm, level: int, wakes: list, reload: bool, timeline: Timeline) -> dic
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from torpor.engine import LLM
     from torpor.testing.harness import differences
 
-    plot = plot_path(args.plot) if args.plot else None  # before the demo runs, not after
+    plot = plot_path(default_plot() if args.plot is None else args.plot) if args.plot != "" else None  # checked now
     on_gpu = uses_gpu(args.device)
-    console = Console(width=240) if not sys.stdout.isatty() else Console()
+    # A pipe gets the terminal's default width (80, or $COLUMNS); --wide asks for room.
+    console = Console(width=WIDE_COLUMNS) if args.wide and not sys.stdout.isatty() else Console()
     model, synthetic = args.model, args.model is None
     if model is None and on_gpu:
         from torpor.synthetic import cached_model_path
@@ -150,38 +162,104 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         offloaded = [t for t in ("weights", "runtime", "cuda_graph") if t in llm.memory_usage()["tags"]]
         pinned = llm.memory.reserve_host(offloaded)
-        console.print(f"host copies reserved ahead of the first sleep: {pinned / GiB:.2f} GiB pinned in "
-                      f"{time.perf_counter() - start:.1f} s")
+        console.print(f"host copies reserved ahead of the first sleep: {units.size(pinned)} pinned in "
+                      f"{units.seconds(time.perf_counter() - start)}")
     prompts, params = requests(llm)
     timeline = Timeline(llm)
-    reference = llm.generate(prompts, params)
+    reference = llm.generate(prompts, params, use_tqdm=False)
     console.print(f"first answer: {prompts[0]!r} -> {reference[0].outputs[0].text!r}")
-    table = Table(title=f"torpor demo on {device}: per-tag MiB resident (awake / asleep / after wake)")
-    tags = list(llm.memory_usage()["tags"])
-    for col in ("cycle", *tags, "memory in use MiB" + (" (RSS)" if device == "cpu" else ""), "sleep", "wake",
-                "answers"):
-        table.add_column(col, justify="right", no_wrap=col in ("sleep", "wake"))  # time, bytes, rate: one line
-    ok = True
+    results, ok = [], True
     for name, (level, wakes, reload) in CYCLES.items():
         r = cycle(llm, level, wakes, reload, timeline)
-        same = not differences(reference, llm.generate(prompts, params))
-        ok &= same
-        cells = [f"{r['before']['tags'][t] / MiB:.1f} / {r['asleep']['tags'][t] / MiB:.1f} / "
-                 f"{r['after']['tags'][t] / MiB:.1f}" for t in tags]
-        table.add_row(name, *cells,
-                      f"{r['before']['device'] / MiB:.0f} / {r['asleep']['device'] / MiB:.0f} / "
-                      f"{r['after']['device'] / MiB:.0f}",
-                      _speed(r["sleep_s"], r["sleep_bytes"]), _speed(r["wake_s"], r["wake_bytes"]),
-                      "bit-identical" if same else "DIFFERENT")
+        r.update(name=name, same=not differences(reference, llm.generate(prompts, params, use_tqdm=False)))
+        ok &= r["same"]
+        results.append(r)
     timeline.mark("end")
-    console.print(table)
-    sizes = ", ".join(f"{t} {u['allocated_bytes'] / MiB:.2f}" for t, u in llm.memory_usage()["tags"].items())
-    console.print(f"bytes in live tensors per tag (MiB): {sizes}")
+    for printed in wide_tables(results, device) if args.wide else [table(results, device)]:
+        console.print(printed)
+    if device == "cpu":
+        console.print(f"On CPU the memory in use is the process's RSS: it holds the host copies "
+                      f"({units.size(results[0]['asleep']['host'])}) while the engine sleeps, and a woken tag's "
+                      "zero-filled pages count only once written.", style="dim")
     if plot is not None:
         timeline.plot(plot, device)
         console.print(f"memory plot written to {plot}")
     console.print("every answer bit-identical to the first" if ok else "[red]answers differ after a wake[/red]")
     return 0 if ok else 1
+
+
+def table(results: list[dict], device: str):
+    """One row per cycle, narrow enough for 80 columns: the bytes in the tags' live tensors and the memory in
+    use, awake -> asleep -> woken, in one unit; the sleep and wake times; the answers."""
+    readings = [lambda row: sum(row["live"].values()), lambda row: row["device"]]
+    unit = units.size_unit(max(reading(r[k]) for r in results for k in ("before", "after") for reading in readings))
+    name = units.size(0, unit).split()[1]
+    out = _table(f"torpor demo on {device}: {name} awake → asleep → woken")
+    out.add_column("cycle", min_width=18)
+    for header, reading in zip(("tensors", "RSS" if device == "cpu" else "in use"), readings, strict=True):
+        _memory_column(out, results, header, reading, unit)
+    for header in ("sleep", "wake"):
+        out.add_column(header, justify="right", no_wrap=True)
+    out.add_column("answers", no_wrap=True)
+    for r in results:
+        out.add_row(r["name"], *r.pop("cells"), units.seconds(r["sleep_s"]), units.seconds(r["wake_s"]),
+                    "same" if r["same"] else "[red]DIFFER")
+    return out
+
+
+def wide_tables(results: list[dict], device: str) -> list:
+    """--wide: the live bytes of every tag, the host copies and the memory in use; then each copy's time,
+    bytes and rate."""
+    memory = _table(f"torpor demo on {device}: bytes in live tensors on the device, awake → asleep → woken")
+    memory.add_column("cycle", no_wrap=True)
+    for tag in results[0]["before"]["live"]:
+        _memory_column(memory, results, tag, lambda row, tag=tag: row["live"][tag])
+    _memory_column(memory, results, "host copies", lambda row: row["host"])
+    _memory_column(memory, results, "in use" + (" (RSS)" if device == "cpu" else ""), lambda row: row["device"])
+    for r in results:
+        memory.add_row(r["name"], *r.pop("cells"))
+    copies = _table("sleep and wake: time, bytes copied, rate (the level-2 wake includes reload_weights)")
+    copies.add_column("cycle", no_wrap=True)
+    for name in ("sleep", "wake", "answers"):
+        copies.add_column(name, no_wrap=True)
+    for r in results:
+        copies.add_row(r["name"], _copy(r["sleep_s"], r["sleep_bytes"]), _copy(r["wake_s"], r["wake_bytes"]),
+                       "bit-identical" if r["same"] else "[red]DIFFERENT")
+    return [memory, copies]
+
+
+def _table(title: str):
+    from rich import box
+    from rich.table import Table
+
+    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+
+
+def _memory_column(table, results: list[dict], name: str, value, unit: int | None = None) -> None:
+    """A column of awake → asleep → woken readings in one unit (`unit`, else the largest reading's, named in
+    the header); each row's cell is appended to the row's "cells"."""
+    readings = [[value(r[k]) for k in ("before", "asleep", "after")] for r in results]
+    if unit is None:
+        unit = units.size_unit(max(max(row) for row in readings))
+        name = f"{name}, {units.size(0, unit).split()[1]}"
+    table.add_column(name, justify="right", no_wrap=True)
+    for r, row in zip(results, readings, strict=True):
+        r.setdefault("cells", []).append(" → ".join(units.number(v / unit) for v in row))
+
+
+def _copy(seconds: float, nbytes: int) -> str:
+    """Time, and for copies the bytes moved and the rate (decimal GB/s, as links are quoted)."""
+    rate = units.rate(nbytes, seconds)
+    return units.seconds(seconds) + ("" if rate is None else f", {units.size(nbytes)}, {rate}")
+
+
+def default_plot() -> str:
+    """The plot's default place: the cache folder (a checkout or the current folder stays clean)."""
+    from torpor.env import Env
+
+    folder = Path(Env.read().cache_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / "torpor-demo-memory.png")
 
 
 def uses_gpu(device: str) -> bool:
@@ -210,11 +288,3 @@ def plot_path(path: str) -> Path:
     except ImportError:
         raise ImportError("--plot needs matplotlib: pip install matplotlib (or --plot '' for no plot)") from None
     return target
-
-
-def _speed(seconds: float, nbytes: int) -> str:
-    """Time, and for copies the bytes moved and the rate (GiB moved, GB/s as links are quoted)."""
-    if seconds <= 0 or not nbytes:
-        return f"{seconds * 1e3:.0f} ms"
-    size = f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
-    return f"{seconds * 1e3:.0f} ms, {size}, {nbytes / seconds / 1e9:.1f} GB/s"

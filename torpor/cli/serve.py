@@ -83,8 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id in /v1/models and requests (default: the Hub id as given, or the checkpoint "
-                        "folder's name)")
+                   help="model id in /v1/models and requests (default: the Hub id as given, the checkpoint "
+                        "folder's name, or 'tiny' for the embedded tiny model)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                    help="Jinja chat template (a file, or the template text) replacing the checkpoint's")
     engine = p.add_argument_group("engine (EngineConfig)")
@@ -244,7 +244,7 @@ def _load_engine(args: argparse.Namespace):
     if defaults != SamplingParams():
         changed = {k: v for k, v in dataclasses.asdict(defaults).items() if getattr(SamplingParams(), k) != v}
         _say(f"request defaults from generation_config.json (--generation-config {config.generation_config}): "
-             f"{changed}")
+             + ", ".join(f"{k}={v}" for k, v in changed.items()))
     return llm
 
 
@@ -270,12 +270,16 @@ def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str 
 
 
 def _default_name(given: str | None, folder: str) -> str:
-    """A Hub id as the user typed it (what vLLM serves it as); a folder by its name."""
+    """A Hub id as the user typed it (what vLLM serves it as); a folder by its name; the embedded tiny model
+    by its preset's name, "tiny" (its cache folder's name carries the generator's version)."""
     from pathlib import Path
 
     from torpor.engine.model_path import looks_like_hub_id
+    from torpor.synthetic.generator import DEFAULT_PRESET
 
-    if given is not None and not Path(given).expanduser().exists() and looks_like_hub_id(given):
+    if given is None:
+        return DEFAULT_PRESET
+    if not Path(given).expanduser().exists() and looks_like_hub_id(given):
         return given
     return Path(folder).name
 
@@ -286,12 +290,23 @@ def _run_server(args: argparse.Namespace, llm, config, sock: socket.socket) -> i
     from torpor.server import build_app
 
     name, admin_token, api_key = config.model_name, config.admin_token, config.api_key
-    server = uvicorn.Server(uvicorn.Config(build_app(llm.engine, config), log_level=args.log_level,
-                                           access_log=args.access_log, timeout_graceful_shutdown=10))
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    _say(f"serving {name!r} on http://{url_host}:{port} (control plane: "
-         f"{'on' if admin_token else 'off, no --admin-token'}; API key: {'required' if api_key else 'none'})")
+    announcement = (f"serving {name!r} on http://{url_host}:{port} (control plane: "
+                    f"{'on' if admin_token else 'off, no --admin-token'}; API key: "
+                    f"{'required' if api_key else 'none'})")
+
+    class AnnouncingServer(uvicorn.Server):
+        """Announces the address once uvicorn's start-up is complete (the app's lifespan ran, the socket
+        listens): a launch script that waits for the line can connect at once."""
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                _say(announcement)
+
+    server = AnnouncingServer(uvicorn.Config(build_app(llm.engine, config), log_level=args.log_level,
+                                             access_log=args.access_log, timeout_graceful_shutdown=10))
     # SIGTERM then ends the server like Ctrl-C: a graceful shutdown, then exit code 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

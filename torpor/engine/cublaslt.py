@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import threading
-import warnings
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -43,6 +43,7 @@ _PREF_MIN_ALIGNMENT_C = 7
 MAX_PLANS = 4096  # distinct prefill lengths make new plans; the least recently used go beyond this
 INVARIANT_ROWS = 512  # the row count whose heuristic algorithm serves every row count of a row-invariant call
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta (host scalars, float for every dtype)
+logger = logging.getLogger("torpor.engine")
 
 
 class CublasLtError(RuntimeError):
@@ -108,7 +109,7 @@ class CublasLt:
         with torch.cuda.device(device):
             self._check("cublasLtCreate", self.lib.cublasLtCreate(ctypes.byref(self.handle)))
         self._plans: OrderedDict[_Key, _Plan] = OrderedDict()
-        self._refused: set[tuple[int, int, torch.dtype]] = set()  # weight shapes warned about (_invariant_algo)
+        self._refused: set[tuple[int, int, torch.dtype]] = set()  # weight shapes logged (_invariant_algo)
         self._lock = threading.Lock()  # plans are shared; a bias plan's pointer is set per call
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stream: int,
@@ -178,7 +179,9 @@ class CublasLt:
     def _invariant_algo(self, key: _Key, desc: ctypes.c_void_p, layouts: list[ctypes.c_void_p]) -> _HeuristicResult:
         """The algorithm of this weight shape's reference plan (INVARIANT_ROWS dense rows, 16-byte alignment,
         no workspace) for `key`'s row count. Where cuBLASLt refuses it (an operand aligned below 16 bytes),
-        the heuristic's own choice with a warning: right answers, but that row count's bits may differ."""
+        the heuristic's own choice, logged at debug level: right answers, but that row count's bits may differ
+        from the same rows computed in a batch of another size (the engine's answers are still bit-identical
+        across sleep and wake: the same batch gets the same plan)."""
         reference = self._plan(key._replace(m=INVARIANT_ROWS, ld_x=key.k, align_x=16, align_w=16, align_y=16,
                                             row_invariant=False))
         checked = _HeuristicResult()
@@ -189,10 +192,10 @@ class CublasLt:
             return reference.algo
         if (key.n, key.k, key.dtype) not in self._refused:  # once per weight shape, not per row count
             self._refused.add((key.n, key.k, key.dtype))
-            warnings.warn(f"torpor: cuBLASLt's row-invariant algorithm does not serve m={key.m}, n={key.n}, "
-                          f"k={key.k} ({key.dtype}, alignments {key.align_x}/{key.align_w}/{key.align_y}; cublasStatus "
-                          f"{status}): such rows may differ in the last bits from the same rows computed in another "
-                          "batch", stacklevel=4)
+            logger.debug("cuBLASLt's row-invariant algorithm does not serve m=%d, n=%d, k=%d (%s, alignments "
+                         "%d/%d/%d; cublasStatus %d): such rows may differ in the last bits from the same rows "
+                         "computed in another batch", key.m, key.n, key.k, key.dtype, key.align_x, key.align_w,
+                         key.align_y, status)
         return self._heuristic(key, desc, layouts)
 
     def _heuristic(self, key: _Key, desc: ctypes.c_void_p, layouts: list[ctypes.c_void_p]) -> _HeuristicResult:

@@ -46,8 +46,8 @@ class LazyJit:
 def warm_triton_cache_key() -> threading.Thread:
     """Start a thread computing Triton's cache key of its own installation and return it (join it before the first
     launch). Triton hashes its compiler — its sources and its ~0.5 GB libtriton — once per process, on the first
-    launch of any kernel, even one it finds compiled in its disk cache: 0.33 s of hashing and 0.08 s of reading
-    inside a start-up's first graph warm-up on the H200 machine (run 22's cProfile). Both release the GIL, so the
+    launch of any kernel, even one it finds compiled in its disk cache: ~0.4 s of hashing and reading inside a
+    start-up's first graph warm-up on an H200 (docs/weights.md). Both release the GIL, so the
     thread does them beside the model build and the weight load. A Triton without the function (the key moved
     between versions) makes the thread a no-op."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
@@ -108,9 +109,10 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (text, token ids, or a dict prompt); outputs in input order, logprobs as
-        `{id: Logprob}`. Without `sampling_params`: `get_default_sampling_params()`. Raises ValueError
+        `{id: Logprob}`. Without `sampling_params`: `get_default_sampling_params()`. `use_tqdm`: a progress
+        bar over the finished prompts on stderr, as vLLM shows (only when stderr is a terminal). Raises ValueError
         before queueing anything if any prompt or parameter is invalid, RuntimeError if the engine does not
         serve within `wait_if_asleep` seconds (see the class)."""
         prompt_list = _prompt_list(prompts)
@@ -224,7 +226,7 @@ class LLM:
 
     # ---- vLLM's surface ---------------------------------------------------------------------
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -399,19 +401,22 @@ def _resolve_max_model_len(max_model_len: int | None, model_config: ModelConfig)
 
 
 class _progress:
-    """A rich progress bar over finished requests when enabled; yields `advance()`."""
+    """A rich progress bar over finished requests on stderr when enabled and stderr is a terminal (a log
+    file or a pipe gets none); yields `advance()`."""
 
     def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
+        self.enabled, self.total = enabled and sys.stderr.isatty(), total
 
     def __enter__(self):
         if not self.enabled:
             return lambda: None
-        from rich.progress import Progress
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        self.bar = Progress()
+        self.bar = Progress("Processed prompts", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=Console(stderr=True))
         self.bar.__enter__()
-        task = self.bar.add_task("generating", total=self.total)
+        task = self.bar.add_task("generate", total=self.total)
         return lambda: self.bar.advance(task)
 
     def __exit__(self, *exc) -> None:

@@ -25,6 +25,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None          # one entry per token of token_ids
     finish_reason: FinishReason | None            # None while the request still runs
     stop_reason: int | str | None = None          # the stop token id or stop string that ended it
+    # vLLM's: the sum of the sampled tokens' logprobs when logprobs were asked for, else None.
+    cumulative_logprob: float | None = None
     # Streaming: the text and tokens new since this request's previous output (text that may begin a
     # stop string is held back until resolved). The deltas of all outputs add up to `text` / `token_ids`.
     delta_text: str = ""
@@ -83,6 +85,7 @@ class RequestOutput:
             logprobs=list(seq.output_logprobs) if want_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
             delta_text=delta_text,
             delta_start=delta_start,
             routed_experts=None if seq.routed_experts is None else _routed_rows(seq),

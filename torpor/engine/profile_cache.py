@@ -1,8 +1,8 @@
 """The activation peak that sizes the KV cache, kept on disk between start-ups.
 
 On CUDA the KV cache gets what is left once the weights and the peak of a worst-case step are counted; that
-peak is measured by running the step (kv_cache.py), ~1.15 s of a qwen3-8b start-up on an H200 (2026-12-01
-run 3), the largest phase after the imports. The peak depends only on what is in the key below: the model's
+peak is measured by running the step (kv_cache.py), ~1 s of a qwen3-8b start-up on an H200 (docs/weights.md),
+the largest phase after the imports. The peak depends only on what is in the key below: the model's
 shapes and dtype, the engine options that shape the step, torpor's engine code, torch and the GPU. A restart
 with the same key reads it back instead of running the step; anything else (another option, an edited source
 file, another torch) makes a new key and measures again. EngineConfig.kv_profile_cache=False turns it off.

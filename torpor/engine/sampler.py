@@ -11,7 +11,7 @@ The random number has 52 bits, so every other token is drawn with its quantized 
 within 2^-52 (26 bits drew a token below 2^-26 with probability 0 or 2^-26: on a 152k vocabulary
 ~3e-4 of the mass moved per token drawn).
 
-The search (since 2026-12-02) never builds that prefix sum over the whole vocabulary: integer sums are
+The search never builds that prefix sum over the whole vocabulary: integer sums are
 exact in any order, so the first column whose cumulative weight passes the target is found from sums of
 blocks of columns, then a cumsum inside the one block that holds it (`_search_blocks`; on CUDA two
 Triton kernels that read the float32 probabilities once, sampler_kernels.py). The token is the full

@@ -64,6 +64,7 @@ class Sequence:
         # return_routed_experts: the experts each output token's forward pass chose ([layers, top_k] per token)
         self.routed_experts: RoutedExperts | None = RoutedExperts() if self.sampling_params.return_routed_experts \
             else None
+        self.cumulative_logprob = 0.0                         # sum of the sampled tokens' logprobs (when computed)
         # Set once by the engine at the first prefill; a recompute after preemption keeps it.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.arrival = -1                                     # set by Scheduler.add
@@ -135,5 +136,6 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id]
         if routed_experts is not None and self.routed_experts is not None:
             self.routed_experts.append(routed_experts)

@@ -48,11 +48,11 @@ _FREE_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
 
 ALLOCATION_LOCK = threading.RLock()  # see the module docstring
 # Copies are issued in chunks of this size: one multi-GiB host->device copy ran at half the link's
-# speed on an H200 (27.5 GB/s) where 16 MiB copies ran at 99% (docs/memory-gpu-results.md).
+# speed on an H200 where 16 MiB copies ran at its full speed (docs/memory.md, "What the GPU showed").
 COPY_CHUNK_BYTES = 64 << 20
 # A segment woken without a copy (discarded: zero-filled) is mapped in pieces of this size: small pieces only
 # serve to start a refill's copies early, and each piece costs a cuMemCreate + cuMemMap + cuMemSetAccess
-# (H200, 32 GiB mapped: 64 MiB pieces 0.032 s, 1 GiB pieces 0.005 s; scripts/probe_map_pieces.py, run 5).
+# (1 GiB pieces cost a sixth of 64 MiB ones on an H200: scripts/probe_map_pieces.py, docs/memory.md).
 ZERO_FILL_PIECE_BYTES = 1 << 30
 
 # Every store that owns segments, so `audit` can tell "another manager's tag" from "no tag".

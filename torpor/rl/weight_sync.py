@@ -34,8 +34,8 @@ from torpor.engine.phase_times import phase
 from torpor.rl.bucket_ring import BucketRing
 
 DEFAULT_BUCKET_BYTES = 512 << 20
-# Requests a push keeps in flight over HTTP (1: each sent after the previous answer). 2, not 3: a third was 3-5%
-# faster on runs 22 and 24's machines but 9% slower on run 18's (docs/rl.md), for one more bucket of trainer memory.
+# Requests a push keeps in flight over HTTP (1: each sent after the previous answer). 2, not 3: a third was faster
+# on some H200 machines and slower on others (docs/benchmarks.md), for one more bucket of trainer memory.
 DEFAULT_IN_FLIGHT = 2
 
 

@@ -73,7 +73,8 @@ class Preset:
     config: dict[str, Any]  # config.json without token ids and dtype (the generator fills them)
     chat_format: SpecialTokens
     special_token_start: int | None = None  # None: the special tokens end the vocab (tiny models)
-    base_vocab_size: int = 1024  # byte-level BPE tokens learnt from the corpus (<= 1293 possible)
+    base_vocab_size: int = 1024  # byte-level BPE tokens learnt from the corpus (<= 1293 possible); generated
+    # word pieces fill the rest of a real geometry's vocabulary (tokenizer_builder.py)
 
     @property
     def first_special_id(self) -> int:
@@ -81,7 +82,7 @@ class Preset:
 
     @property
     def tokenizer_vocab_size(self) -> int:
-        """Learnt tokens; for tiny models the learnt tokens and the special ids fill the vocab exactly."""
+        """Tokens learnt from the corpus; for tiny models they and the special ids fill the vocab exactly."""
         return self.base_vocab_size if self.special_token_start else self.first_special_id
 
 

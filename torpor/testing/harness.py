@@ -52,7 +52,7 @@ def fixed_requests(num: int, vocab_size: int, seed: int = 0, max_prompt: int = 4
 
 def run_round(llm, requests: list[Request]) -> list[RequestOutput]:
     """One round of `requests` (the prefix cache as it is: empty after any sleep that discards the KV)."""
-    return llm.generate([p for p, _ in requests], [sp for _, sp in requests])
+    return llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
 
 
 def differences(reference: list[RequestOutput], outputs: list[RequestOutput]) -> list[str]:
@@ -163,7 +163,7 @@ def run_harness(llm, requests: list[Request], log: Callable[[str], None] = print
         scenario.sleep_s, scenario.wake_s, scenario.asleep_bytes = scenario.run(llm)
         scenario.mismatches = len(differences(reference, run_round(llm, requests)))
         log(f"{scenario.name}: {len(requests) - scenario.mismatches}/{len(requests)} bit-identical "
-            f"(sleep {scenario.sleep_s:.3f} s, wake {scenario.wake_s:.3f} s, "
+            f"(sleep {scenario.sleep_s * 1e3:.3g} ms, wake {scenario.wake_s * 1e3:.3g} ms, "
             f"asleep {scenario.asleep_bytes / 2**20:.0f} MiB)")
         results.append(scenario)
     return results
