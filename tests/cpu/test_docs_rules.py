@@ -12,13 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 CODE = sorted((ROOT / "torpor").rglob("*.py"))
-# Being rewritten by the lead: their comments are cleaned in the rewrite. Remove each from this list when done.
-BEING_REWRITTEN = {f"torpor/{name}.py" for name in (
-    "env", "engine/config", "engine/llm_engine", "engine/llm", "engine/model_runner", "engine/worker",
-    "engine/worker_group", "engine/parallel_runner", "engine/distributed", "engine/sleep_mode", "engine/rpc",
-    "engine/weight_transfer", "server/async_engine", "server/control", "server/weights_api",
-    "server/weight_pipeline", "server/app", "server/state")}
-
 ORDINALS = "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
 REFERENCES = re.compile(
     rf"\bissues? #?\d+"  # issue 13, issue #7, issues 11
@@ -50,7 +43,7 @@ def test_docs_name_no_session_issue_or_run(path):
     assert references(path.read_text()) == []
 
 
-@pytest.mark.parametrize("path", [p for p in CODE if relative(p) not in BEING_REWRITTEN], ids=relative)
+@pytest.mark.parametrize("path", CODE, ids=relative)
 def test_code_names_no_session_issue_or_run_and_dates_no_figure(path):
     text = path.read_text()
     assert references(text) == []
