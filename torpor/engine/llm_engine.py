@@ -206,6 +206,22 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         return None if request is None else self._output(request)
 
+    def abort_requests(self, request_ids: Iterable[str] | None = None) -> list[RequestOutput]:
+        """Abort the given requests (None: every one, waiting or running); their outputs, finish_reason 'abort' with
+        the tokens and logprobs they have, are returned and also handed out by the next `step`."""
+        ids = list(self._requests) if request_ids is None else [r for r in request_ids if r in self._requests]
+        outputs = [output for output in map(self.abort_request, ids) if output is not None]
+        self._pending += outputs
+        return outputs
+
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights served (set by an update that names one, or `update_weight_version`)."""
+        return self.weights.version
+
+    def update_weight_version(self, version: str) -> None:
+        self.weights.set_version(version)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (blocks in use stay with their sequences; they register nothing
         more). Done by the engine itself whenever the weights change or the KV cache is discarded."""

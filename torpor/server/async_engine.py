@@ -67,7 +67,6 @@ class AsyncEngine:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
-        self.weight_version: str = "default"  # the label of the weights served (set by updates that name one)
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its stream's queue; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,6 +83,11 @@ class AsyncEngine:
     @property
     def sleeping(self) -> bool:
         return self.state.is_sleeping
+
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights served (any thread: a string read)."""
+        return self._engine.weight_version
 
     def state_fields(self) -> dict:
         """What every control answer carries: whether a sleep level is set and whether requests run."""

@@ -99,6 +99,9 @@ class WeightReceiver:
         self._keeping: dict[tuple, torch.UntypedStorage] | None = None
         self._stage_stream: EngineStream | None = None
         self._receiving: set[str] = set()  # update groups receiving on their own threads
+        # The label of the weights served (SGLang's and vLLM's weight_version): set when an update that names one
+        # commits, or by `set_version`; the checkpoint's weights are "default".
+        self.version = "default"
 
     # ---- the one write path ------------------------------------------------------------------------------
     def check_awake(self, what: str) -> None:
@@ -107,10 +110,11 @@ class WeightReceiver:
                                  "/wake_up?tags=weights)")
 
     def write(self, names: Collection[str] | None, copy: Callable[[], int], push: PushPosition | None = None,
-              flush_cache: bool = True) -> int:
+              flush_cache: bool = True, version: str | None = None) -> int:
         """Run `copy()` (checked tensors into the weights on every rank; returns a count) as part of an update:
         `push` names a multi-request one (None: this call is the whole update); `names`: the tensors it writes
-        (None: every one, a reload). See the module docstring for the rule it keeps."""
+        (None: every one, a reload); `version`: the weights' label once the update commits (only then). See the
+        module docstring for the rule it keeps."""
         self.check_awake("update weights")
         lc = self.lifecycle
         update = self._join(push)
@@ -137,9 +141,16 @@ class WeightReceiver:
             self.executor.collective_rpc("reset_buffers")  # discarded with the weights; recomputed once, here
         if push is None or push.last:
             self._end(update, None)
+            if version is not None:
+                self.set_version(version)
             if flush_cache:
                 self.on_change()
         return count
+
+    def set_version(self, version: str) -> None:
+        if not isinstance(version, str) or not version or len(version) > 256:
+            raise ValueError(f"weight_version must be a non-empty string of at most 256 characters, got {version!r}")
+        self.version = version
 
     def _revertible(self) -> bool:
         """Whether a failed write can be undone: the weights are whole and their host copy current on every rank."""
