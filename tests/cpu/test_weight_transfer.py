@@ -8,6 +8,7 @@ import base64
 import io
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -166,9 +167,37 @@ def test_shared_memory_names_and_sizes_are_checked():
     manager, handle, _ = real._share_filename_cpu_()
     for args, match in [((manager, b"/../../etc/passwd", 4), "not a torch shared-memory file"),
                         ((b"/tmp/x.sock", handle, 4), "torch_shm_manager"),
-                        ((manager, handle, 1 << 30), r"holds \d+ bytes, the payload claims")]:
-        with pytest.raises(RefusedPickle, match=match):
+                        ((manager, handle, 1 << 30), r"holds 16 bytes, the payload claims 1073741824")]:
+        with pytest.raises(ValueError, match=match):
             RestrictedUnpickler(pickle.dumps(FakeStorage(*args)), 1 << 40).load()
+
+
+SHRINKING = """
+    import os, torch
+    from torpor.engine.weights.payload import unpickle_payload
+    from torpor.rl import serialize
+    t = torch.ones(1 << 18)  # 1 MiB in one shared-memory file
+    kept = unpickle_payload(serialize([("x", t)]), 1 << 30)  # mapped, and kept (a push keeps its buffers mapped)
+    os.truncate("/dev/shm" + t.untyped_storage()._share_filename_cpu_()[1].decode(), 64 + 4096)
+    for _ in range(2):  # the mapping kept, then a new one
+        try:
+            unpickle_payload(serialize([("x", t)]), 1 << 30)[0][1].sum()
+            print("read")
+        except ValueError as e:
+            print("refused:", e)
+        kept = None
+"""
+
+
+def test_a_shared_memory_file_that_shrank_is_refused_not_a_crash():
+    """Reading a mapping past its file's end is SIGBUS: the engine gone. A file shorter than the payload claims is
+    refused whether this process still has it mapped (a push keeps its buffers mapped) or maps it anew."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(SHRINKING)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert result.returncode == 0, f"the engine died ({result.returncode}): {result.stderr[-1000:]}"
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all(re.search(r"refused: .* holds 4096 bytes( now)?, the payload claims 1048576", line)
+                                   for line in lines), result.stdout
 
 
 def test_flattened_bucket_round_trip_and_bad_metadata():
