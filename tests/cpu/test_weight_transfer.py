@@ -386,6 +386,71 @@ def test_http_rl_cycle_from_a_trainer_process(server, tiny_model_path, new_weigh
     assert _served(server) == old
 
 
+HOLDING_TRAINER = """
+    import gc, os, sys, torch
+    from torpor.engine.weights.loader import iter_checkpoint
+    from torpor.rl import bucket_named_tensors, serialize
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    bucket = next(bucket_named_tensors(iter_checkpoint(sys.argv[1]), 1 << 20))  # the tiny model: one bucket
+    bucket.flattened.share_memory_()
+    manager, handle, size = bucket.flattened.untyped_storage()._share_filename_cpu_()
+    print(manager.decode(), handle.decode(), size, flush=True)  # named, never pickled: no reference added
+    for line in sys.stdin:
+        if line.strip() == "pickle":
+            print(serialize(bucket.payload()), flush=True)
+        else:
+            del bucket
+            gc.collect()
+            print(os.path.exists("/dev/shm" + handle.decode()), flush=True)
+            break
+"""
+
+
+@pytest.mark.slow
+def test_a_pickle_replayed_or_forged_never_takes_the_trainers_own_reference(server, tiny_model_path, new_weights_path):
+    """A shared-memory file's count is the trainer's own mapping plus one per pickle in transit. Before: the engine
+    took one back per payload it opened, whether a pickle had added it or not: a payload naming another process's
+    file (no pickle of it) made the engine unlink it, and a request sent twice (a client timeout, then a resend)
+    unlinked the trainer's live bucket, whose next push failed with "does not exist". Now a payload takes back a
+    reference only while more than the owner's is left: a replay is harmless, the trainer's file lives while it
+    maps it and goes when it drops it."""
+    from torch.multiprocessing import reductions
+
+    from torpor.engine.weights import shm
+
+    trainer = _run_trainer(HOLDING_TRAINER, new_weights_path)
+    try:
+        manager, handle, size = trainer.stdout.readline().split()
+        assert handle, _finish(trainer)
+
+        class Named:  # the trainer's file, named by someone else: no reference was added for the engine
+            def __reduce__(self):
+                return reductions.rebuild_storage_filename, (torch.storage.UntypedStorage, manager, handle, int(size))
+
+        forged = base64.b64encode(ForkingPickler.dumps(Named())).decode()
+        r = server.admin.post("/update_weights_from_tensor", json={"serialized_named_tensors": [forged]})
+        assert r.status_code == 400 and "list of (name, tensor) pairs" in r.text, r.text  # opened, then refused
+        assert shm.count_of(handle) == 1  # the trainer's own, untouched
+        trainer.stdin.write("pickle\n")
+        trainer.stdin.flush()
+        body = {"serialized_named_tensors": [trainer.stdout.readline().strip()], "load_format": "flattened_bucket"}
+        for attempt in range(2):  # the same request twice: a client that resent it after a timeout
+            r = server.admin.post("/update_weights_from_tensor", json=body)
+            assert r.status_code == 200, (attempt, r.text)
+            assert shm.count_of(handle) == 1
+        trainer.stdin.write("pickle\n")  # the trainer's next push of the same buffer
+        trainer.stdin.flush()
+        body["serialized_named_tensors"] = [trainer.stdout.readline().strip()]
+        r = server.admin.post("/update_weights_from_tensor", json=body)
+        assert r.status_code == 200, r.text
+        trainer.stdin.write("drop\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "False"  # the count was right: its file went with its buffer
+    finally:
+        _finish(trainer)
+    WeightPusher(server.url, ADMIN).push(iter_checkpoint(tiny_model_path))  # the old weights, for the next tests
+
+
 # ---- the process-group path (gloo) ------------------------------------------------------------------
 TRAINER_GROUP = """
     import os, socket, sys

@@ -10,10 +10,10 @@ ends with the trainer and removes what the trainer left.
 
 The file starts with torch's reference count (`at::RefcountedMapAllocator`: a `std::atomic<int>`, the data 64
 bytes in). A pickle adds one reference for its receiver to take over (`storage._shared_incref()`); the last
-reference to go unlinks the file. `release_pickled_reference` is the receiver's side of that protocol, as torch's
-receiver does it. `settle_references` is the sender's side: after the answers came, the references its
-undelivered pickles added go (a request the engine refused before opening it), so its file goes when its buffer
-does.
+reference to go unlinks the file. `release_pickled_reference` is the receiver's side of that protocol: it takes
+the reference back, but never the last one (a replayed or forged payload carries none). `settle_references` is the
+sender's side: after the answers came, the references its undelivered pickles added go (a request the engine
+refused before opening it), so its file goes when its buffer does.
 """
 
 from __future__ import annotations
@@ -135,10 +135,15 @@ def mapped_files() -> int:
 # ---- the reference count ------------------------------------------------------------------------------
 def release_pickled_reference(count: ctypes.c_int32) -> None:
     """The receiver's part of torch's protocol: take back the one reference a pickle of this file added for its
-    receiver (torch's receiver decrements as it opens, as `_shared_decref` does). The file is never unlinked here:
-    torch's receiver counts its own mapping and unlinks at its close, this one holds no reference of its own; the
-    last of the trainer's references unlinks it."""
-    _update_count(count, lambda value: value - 1)
+    receiver (torch's receiver decrements as it opens, as `_shared_decref` does), but never the last one. A
+    payload is no proof that a reference was added for it: a request sent twice (a client's retry after a
+    timeout), or a payload naming another process's file, would take the owner's own reference, and the file
+    would go while its owner still uses it, or never. The owner's mapping is one of the references as long as it
+    maps the file, so the last one may be its own, never a pickle's to give back. The file is never unlinked here
+    (this process holds no reference of its own); the owner's last reference unlinks it. The one case left over:
+    an owner that drops its buffer before the receiver opened the pickle leaves the file to its manager, which
+    removes it when the owner exits."""
+    _update_count(count, lambda value: value - 1 if value > 1 else None)
 
 
 def settle_references(storage: torch.UntypedStorage) -> None:
