@@ -502,6 +502,31 @@ def test_process_group_push_and_failures(server, tiny_model_path, new_weights_pa
     assert _served(server) == old
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("master_port", True, r"master_port must be an integer in \[1, 65535\], got True"),
+    ("master_port", 65536, r"master_port must be an integer in \[1, 65535\], got 65536"),
+    ("world_size", 10**12, r"world_size must be an integer in \[2, 65536\] .*got 1000000000000"),
+    ("world_size", True, r"world_size must be an integer in \[2, 65536\] .*got True"),
+    ("rank", 2, r"rank 2 \(rank_offset \+ the engine's tensor-parallel rank; the trainer is rank 0\) must lie in"),
+    ("timeout", True, r"timeout must be a number of seconds in \(0, 3600\], got True"),
+    ("timeout", "5", r"timeout must be a number of seconds in \(0, 3600\], got '5'"),
+    ("timeout", float("nan"), r"timeout must be a number of seconds in \(0, 3600\], got nan"),
+    ("master_address", "", r"master_address must be a host name or an IP address, got ''"),
+    ("master_address", "127.0.0.1 8000", r"master_address must be a host name or an IP address"),
+    ("group_name", "a/b", r"group_name must be 1-128 letters"),
+])
+def test_group_arguments_are_refused_in_the_apis_words(field, value, message):
+    """Before: a bool passed for a number (JSON's true: port 1, a timeout of 1 s), and `world_size: 10**12` reached
+    TCPStore, whose answer was pybind11's list of constructor signatures."""
+    from torpor.engine.weights.transport import open_update_group
+
+    args = {"master_address": "127.0.0.1", "master_port": free_port(), "rank": 1, "world_size": 2, "group_name": "g",
+            "backend": "gloo", "device": torch.device("cpu"), "timeout": 1.0, field: value}
+    args["timeout_s"] = args.pop("timeout")
+    with pytest.raises(ValueError, match=message):
+        open_update_group(**args)
+
+
 def test_a_trainer_whose_group_the_engine_refuses_fails_at_once(server):
     """The engine answers 403 (a wrong admin token) or 400 at once; before, the trainer still waited the whole
     rendezvous timeout for a rank that would never come, then reported that instead of the engine's answer."""

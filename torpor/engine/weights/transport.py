@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import reprlib
 import threading
 import time
 from collections.abc import Callable
@@ -127,21 +128,31 @@ def _rendezvous(store, rank: int, world_size: int, group_name: str, timeout_s: f
         time.sleep(0.02)
 
 
+MAX_WORLD_SIZE = 1 << 16  # ranks of one group (the trainer's and every engine's)
+MAX_GROUP_TIMEOUT_S = 3600.0
+_ADDRESS = re.compile(r"[\w.:%\[\]-]{1,255}")  # a host name, an IPv4 or IPv6 address ([::1] too)
+
+
 def _check_group_args(address, port, rank, world_size, name, backend, timeout_s) -> None:
-    if not isinstance(address, str) or not address:
-        raise ValueError("master_address must be a host name or address")
+    """Every argument of a group call, in the API's words; JSON's true is no number here (Python's bool is an int)."""
+    if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
+        raise ValueError(f"master_address must be a host name or an IP address, got {reprlib.repr(address)}")
     if not is_int(port) or not 0 < port < 65536:
-        raise ValueError(f"master_port must be a port number, got {port!r}")
-    if not is_int(world_size) or world_size < 2:
-        raise ValueError(f"world_size must be an int >= 2 (the trainer and the engine's ranks), got {world_size!r}")
+        raise ValueError(f"master_port must be an integer in [1, 65535], got {reprlib.repr(port)}")
+    if not is_int(world_size) or not 2 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be an integer in [2, {MAX_WORLD_SIZE}] (the trainer's rank 0 and the "
+                         f"engine's ranks), got {reprlib.repr(world_size)}")
     if not is_int(rank) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must lie in [0, world_size), got {rank!r}")
+        raise ValueError(f"rank {reprlib.repr(rank)} (rank_offset + the engine's tensor-parallel rank; the trainer "
+                         f"is rank 0) must lie in [0, world_size) = [0, {world_size})")
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,128}", name):
-        raise ValueError(f"group_name must be 1-128 letters, digits, '_', '.' or '-', got {name!r}")
+        raise ValueError(f"group_name must be 1-128 letters, digits, '_', '.' or '-', got {reprlib.repr(name)}")
     if backend not in (None, "nccl", "gloo"):
-        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
-    if not isinstance(timeout_s, int | float) or not 0 < timeout_s <= 3600:
-        raise ValueError(f"timeout must be in (0, 3600] seconds, got {timeout_s!r}")
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {reprlib.repr(backend)}")
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or \
+            not 0 < timeout_s <= MAX_GROUP_TIMEOUT_S:
+        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_GROUP_TIMEOUT_S:g}], got "
+                         f"{reprlib.repr(timeout_s)}")
 
 
 def _backend_for(backend: str | None, device: torch.device) -> str:
