@@ -38,6 +38,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
 ADMIN = "admin-secret"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.join(ROOT, "tests")  # sglang_trainer.py, for trainer processes
 
 
 @pytest.fixture(scope="module")
@@ -502,6 +503,92 @@ def test_process_group_push_and_failures(server, tiny_model_path, new_weights_pa
     assert _served(server) == old
 
 
+SGLANG_TRAINER = """
+    import sys, threading, httpx
+    sys.path.insert(0, {tests!r})
+    from sglang_trainer import broadcast_all, trainer_group
+    from torpor.engine.weights.loader import iter_checkpoint
+    port = int(sys.argv[1])
+    http = httpx.Client(base_url={url!r}, headers={{"Authorization": "Bearer {admin}"}}, timeout=120)
+    answers = {{}}
+
+    def post(route, body):
+        answers[route] = http.post(route, json=body)
+
+    # As slime does: the engine is asked to join, then this process forms the group (rank 0) while it joins.
+    joining = threading.Thread(target=post, args=("/init_weights_update_group", {{
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "sglang", "backend": "gloo", "timeout": 20}}))
+    joining.start()
+    group = trainer_group(port, 2, "sglang", timeout_s=30)
+    joining.join()
+    print("init", answers["/init_weights_update_group"].status_code, flush=True)
+    named = list(iter_checkpoint({path!r}))
+    receiving = threading.Thread(target=post, args=("/update_weights_from_distributed", {{
+        "names": [n for n, _ in named], "dtypes": ["float32"] * len(named), "shapes": [list(t.shape) for _, t in named],
+        "group_name": "sglang"}}))
+    receiving.start()  # the broadcasts while /update_weights_from_distributed is pending
+    broadcast_all(group, [t for _, t in named])
+    receiving.join()
+    print("update", answers["/update_weights_from_distributed"].status_code, flush=True)
+    destroyed = http.post("/destroy_weights_update_group", json={{"group_name": "sglang"}})
+    print("destroy", destroyed.status_code, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_sglang_style_trainer_forms_the_group_and_pushes(server, tiny_model_path, new_weights_path, expected):
+    """A trainer written as SGLang's users write it: torch's `tcp://` rendezvous as rank 0 and torch's group
+    helper (what SGLang's `init_custom_process_group` calls), then `dist.broadcast` of each tensor. Before: the
+    engine joined the store as a client that never counted itself in and waited for check-in keys only torpor's own
+    pusher wrote; the trainer waited for its second rank ("1/2 clients joined") and the engine answered 409."""
+    trainer = _run_trainer(SGLANG_TRAINER.format(url=server.url, admin=ADMIN, path=new_weights_path, tests=TESTS),
+                           str(free_port()))
+    code, out, err = _finish(trainer, timeout=120)
+    assert code == 0, err
+    assert out.split() == ["init", "200", "update", "200", "destroy", "200"], (out, err)
+    assert _served(server) == expected.new
+    WeightPusher(server.url, ADMIN).push(iter_checkpoint(tiny_model_path))
+    assert _served(server) == expected.old
+
+
+def test_a_rank_that_never_joins_is_a_clear_error_and_leaves_nothing(tiny_model_path):
+    """World of 3 (the trainer, this engine, and a rank that never comes): the engine's join fails within the
+    group's timeout, names the group, and leaves no socket or thread behind; the name is free again."""
+    import gc
+    import threading
+
+    from sglang_trainer import trainer_group
+
+    from torpor.engine.weights.transport import WeightTransferError
+
+    llm = LLM(tiny_model_path, **ENGINE)
+    before = _open_fds_and_threads()
+    port, hosted = free_port(), {}
+
+    def host() -> None:
+        try:
+            trainer_group(port, 3, "partial", timeout_s=3)
+        except Exception as e:  # what the trainer saw, for the assertion
+            hosted["error"] = e
+
+    trainer = threading.Thread(target=host)
+    trainer.start()
+    start = time.monotonic()
+    with pytest.raises(WeightTransferError, match=r"'partial' did not form within 2 s: not every one of its 3 ranks"):
+        llm.init_weights_update_group("127.0.0.1", port, 1, 3, "partial", "gloo", timeout=2)
+    assert time.monotonic() - start < 10
+    trainer.join(30)
+    assert "2/3 clients joined" in str(hosted.get("error")), hosted
+    gc.collect()
+    wait_for_quiet = time.monotonic() + 10
+    while _open_fds_and_threads() != before and time.monotonic() < wait_for_quiet:
+        time.sleep(0.05)
+    assert _open_fds_and_threads() == before
+    with pytest.raises(ValueError, match="no weights update group 'partial'"):
+        llm.destroy_weights_update_group("partial")
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("master_port", True, r"master_port must be an integer in \[1, 65535\], got True"),
     ("master_port", 65536, r"master_port must be an integer in \[1, 65535\], got 65536"),
@@ -665,7 +752,7 @@ def _trainer_group(llm, name: str, timeout: float = 30.0):
 
     port, box = free_port(), {}
     host = threading.Thread(target=lambda: box.setdefault("group", open_update_group(
-        "127.0.0.1", port, 0, 2, name, "gloo", torch.device("cpu"), timeout, is_master=True)))
+        "127.0.0.1", port, 0, 2, name, "gloo", torch.device("cpu"), timeout)))
     host.start()
     llm.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo", timeout=timeout)
     host.join(timeout)
@@ -754,18 +841,17 @@ def test_closing_the_engine_destroys_its_groups(tiny_model_path):
 
 # ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
 TP_TRAINER = """
-    import sys, torch
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    from sglang_trainer import broadcast_all, trainer_group
     from torpor.engine.weights.loader import iter_checkpoint
-    from torpor.engine.weights.transport import broadcast, open_update_group
     from torpor.rl import serialize
     named = list(iter_checkpoint(sys.argv[1]))
     for _ in range(4):  # shared-memory payloads: each pickle is opened once (by one rank)
         print(serialize(named), flush=True)
-    group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 3, "tp", "gloo", torch.device("cpu"), 60,
-                              is_master=True)
+    group = trainer_group(int(sys.argv[2]), 3, "tp", timeout_s=300)  # SGLang's way: the engine's ranks join as 1 and 2
     sys.stdin.readline()  # the engine asks for the tensors
-    for _, t in named:
-        broadcast(group, t)
+    broadcast_all(group, [t for _, t in named])
     print("sent", flush=True)
     sys.stdin.readline()
 """
@@ -777,7 +863,7 @@ def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weigh
 
     llm = LLM(tiny_model_path, tensor_parallel_size=2, **ENGINE)
     port = free_port()
-    trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port))
+    trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port), TESTS)
     try:
         payloads = [trainer.stdout.readline().strip() for _ in range(4)]
         assert all(payloads), _finish(trainer)

@@ -343,7 +343,7 @@ def raw_nccl_broadcast(tensors, src_device: str, dst_device: str, repeat: int) -
     context = multiprocessing.get_context("spawn")
     helper = context.Process(target=_raw_receiver, args=(port, specs, dst_device, repeat + 1), daemon=True)
     helper.start()
-    group = open_update_group("127.0.0.1", port, 0, 2, "raw", "nccl", torch.device(src_device), is_master=True)
+    group = open_update_group("127.0.0.1", port, 0, 2, "raw", "nccl", torch.device(src_device))
     times = []
     for _ in range(repeat + 1):
         broadcast(group, torch.zeros(1, device=src_device))  # both ends ready

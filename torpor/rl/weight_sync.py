@@ -318,8 +318,9 @@ class WeightPusher:
 
 
 class DistributedPusher:
-    """The trainer's end of a weights update group: hosts the store at `master_address:master_port`, is
-    rank 0 of 1 + `engine_ranks`, and broadcasts from `device`. `url` is the engine server (admin token)."""
+    """The trainer's end of a weights update group, formed as SGLang's trainers form it (torch's `tcp://`
+    rendezvous hosted at `master_address:master_port`, torch's key naming): rank 0 of 1 + `engine_ranks`,
+    broadcasting from `device`. `url` is the engine server (admin token)."""
 
     def __init__(self, url: str, admin_token: str | None, master_address: str, master_port: int,
                  device: str | torch.device = "cpu", engine_ranks: int = 1, group_name: str = "weight_update_group",
@@ -337,8 +338,7 @@ class DistributedPusher:
             joined = pool.submit(self.http.post, "/init_weights_update_group", json=body)
             try:
                 self.group = open_update_group(master_address, master_port, 0, 1 + engine_ranks, group_name,
-                                               backend, self.device, timeout, is_master=True,
-                                               give_up=lambda: _refusal(joined))
+                                               backend, self.device, timeout, give_up=lambda: _refusal(joined))
             except BaseException as e:
                 wait([joined])  # the engine's answer says why better than the wait that ended here
                 reason = _refusal(joined)

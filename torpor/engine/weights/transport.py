@@ -1,6 +1,6 @@
-"""Process groups to a trainer: standalone gloo / NCCL groups built on the trainer's TCP store (never the
-default group), their broadcasts and a bounded wait for them. Shared by the engine's receiver and `torpor.rl`'s
-sender."""
+"""Process groups to a trainer: standalone gloo / NCCL groups formed as SGLang forms them (torch's `tcp://`
+rendezvous on the trainer's store, torch's key naming; never the default group), their broadcasts and a bounded
+wait for them. Shared by the engine's receiver and `torpor.rl`'s sender."""
 
 from __future__ import annotations
 
@@ -42,46 +42,102 @@ class UpdateGroup:
 
 
 def open_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                      backend: str, device: torch.device, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                      is_master: bool = False, give_up: Callable[[], str | None] | None = None) -> UpdateGroup:
-    """Join (or, `is_master`: host) the standalone group `group_name`. Every rank checks in on the store
-    first; a rank missing after `timeout_s` → WeightTransferError, and nothing is left behind. `give_up`:
-    polled while waiting; a reason it returns ends the wait at once (e.g. the engine refused to join)."""
+                      backend: str | None, device: torch.device, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+                      give_up: Callable[[], str | None] | None = None) -> UpdateGroup:
+    """Join the standalone group `group_name` as `rank` (rank 0, the trainer: host it), formed exactly as SGLang's
+    `init_custom_process_group` forms it, so a trainer that calls that (or torch's `tcp://` rendezvous and
+    `_new_process_group_helper`) and then broadcasts from rank 0 is served unchanged: `_rendezvous`, then
+    `_backend_group`. A rank missing after `timeout_s` → WeightTransferError, and nothing is left behind.
+    `give_up` (rank 0): polled while the host waits for the others; a reason it returns ends the wait at once
+    (e.g. the engine refused to join)."""
     _check_group_args(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
     backend = _backend_for(backend, device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    timeout = timedelta(seconds=timeout_s)
+    store = _rendezvous(master_address.strip("[]"), master_port, rank, world_size, group_name, timeout, give_up)
     # The communicator and its streams form on `device` (the caller's current device is given back after).
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return _open_update_group(master_address, master_port, rank, world_size, group_name, backend, device,
-                                  timedelta(seconds=timeout_s), is_master, give_up)
+        try:
+            group = _backend_group(store, group_name, rank, world_size, backend, timeout)
+        except RuntimeError as e:  # gloo connects every pair now: a rank that never came is its store's timeout
+            raise WeightTransferError(f"weights update group {group_name!r} did not form within {timeout_s:g} s: "
+                                      f"not every one of its {world_size} ranks joined (this one is rank {rank}): "
+                                      f"{_first_line(e)}") from None
+    return UpdateGroup(group_name, rank, world_size, backend, group, device, timeout_s)
 
 
-def _open_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                       backend: str, device: torch.device, timeout: timedelta, is_master: bool,
-                       give_up: Callable[[], str | None] | None) -> UpdateGroup:
+def _rendezvous(address: str, port: int, rank: int, world_size: int, group_name: str, timeout: timedelta,
+                give_up: Callable[[], str | None] | None):
+    """torch's `tcp://address:port` rendezvous (`torch.distributed.rendezvous`, as SGLang's trainers and engines
+    run it): rank 0 hosts a TCPStore there and waits until all `world_size` ranks counted themselves in; every
+    other rank connects and counts itself in. Returns the group's store, `PrefixStore(group_name, store)`."""
     import torch.distributed as dist
 
-    timeout_s = timeout.total_seconds()
-    try:
-        store = dist.TCPStore(master_address, master_port, world_size, is_master, timeout=timeout,
-                              wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        raise WeightTransferError(f"weights update group {group_name!r}: cannot reach the trainer's store at "
-                                  f"{master_address}:{master_port} within {timeout_s:g} s: {e}") from None
-    store = dist.PrefixStore(f"torpor-weights/{group_name}/", store)
-    _rendezvous(store, rank, world_size, group_name, timeout_s, give_up)
-    if backend == "gloo":
-        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if rank == 0:
+        store = _host_store(address, port, world_size, group_name, timeout, give_up)
     else:
-        group = _nccl_group(store, rank, world_size, timeout)
-    handle = UpdateGroup(group_name, rank, world_size, backend, group, device, timeout_s)
-    try:
-        broadcast(handle, torch.zeros(1, device=device))  # forms the communicator now (NCCL is lazy)
-    except BaseException:
-        destroy_group_handle(handle)  # nothing left behind
-        raise
-    return handle
+        try:
+            store = dist.TCPStore(address, port, world_size, False, timeout=timeout)
+        except (RuntimeError, OSError) as e:
+            raise WeightTransferError(f"weights update group {group_name!r}: cannot reach the trainer's store at "
+                                      f"{address}:{port} within {timeout.total_seconds():g} s: "
+                                      f"{_first_line(e)}") from None
+    return dist.PrefixStore(group_name, store)
+
+
+def _host_store(address: str, port: int, world_size: int, group_name: str, timeout: timedelta,
+                give_up: Callable[[], str | None] | None):
+    """Rank 0's store: it waits in its constructor (the GIL released) for every rank, on a thread of its own, so
+    `give_up` is polled meanwhile; when it gives a reason the missing ranks are counted in here, which ends the
+    wait at once, and the store goes."""
+    import torch.distributed as dist
+
+    made: dict = {}
+
+    def host() -> None:
+        try:
+            made["store"] = dist.TCPStore(address, port, world_size, True, timeout=timeout)
+        except (RuntimeError, OSError) as e:
+            made["error"] = e
+
+    waiting = threading.Thread(target=host, name="torpor-weights-store", daemon=True)
+    waiting.start()
+    while waiting.is_alive():
+        waiting.join(0.02)
+        reason = give_up() if give_up is not None and waiting.is_alive() else None
+        if reason:
+            standins = [dist.TCPStore(address, port, world_size, False, timeout=timeout)
+                        for _ in range(world_size - 1)]
+            waiting.join()
+            del standins, made
+            raise WeightTransferError(f"weights update group {group_name!r} will not form: {reason}")
+    if "error" in made:  # e.g. "Timed out after 121 seconds waiting for clients. 1/2 clients joined."
+        raise WeightTransferError(f"weights update group {group_name!r} did not form within "
+                                  f"{timeout.total_seconds():g} s: {_first_line(made['error'])}")
+    return made["store"]
+
+
+def _backend_group(store, group_name: str, rank: int, world_size: int, backend: str, timeout: timedelta):
+    """The group's backend, on the keys torch's `_new_process_group_helper` gives it: the group's store is
+    `PrefixStore(f"{group_name}/", store)`, its backend's `PrefixStore(f"{device}/", ...)` with the backend's first
+    device ("cpu" for gloo, "cuda" for NCCL). Built directly, never registered with torch.distributed: the engine's
+    own default group (its tensor-parallel group) stays untouched, and the group goes with the object. No warm-up
+    collective: a trainer's first broadcast is its first tensor (NCCL forms its communicator then)."""
+    import torch.distributed as dist
+
+    prefix = dist.PrefixStore(f"{group_name}/", store)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world_size, timeout)
+    else:
+        group = _nccl_group(dist.PrefixStore("cuda/", prefix), rank, world_size, timeout)
+    group._set_sequence_number_for_group()  # as torch's helper does (gloo's rank 0 draws it; NCCL starts at 0)
+    return group
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message without the C++ stack torch appends."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 # A receive gives up on the trainer at the group's timeout and aborts the communicator itself; NCCL's watchdog,
@@ -109,23 +165,6 @@ def _nccl_group(store, rank: int, world_size: int, timeout: timedelta):
                 del os.environ[name]
             else:
                 os.environ[name] = before
-
-
-def _rendezvous(store, rank: int, world_size: int, group_name: str, timeout_s: float,
-                give_up: Callable[[], str | None] | None = None) -> None:
-    store.set(f"joined/{rank}", b"1")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
-        if not missing:
-            return
-        reason = give_up() if give_up is not None else None
-        if reason:
-            raise WeightTransferError(f"weights update group {group_name!r} will not form: {reason}")
-        if time.monotonic() > deadline:
-            raise WeightTransferError(f"weights update group {group_name!r} did not form within {timeout_s:g} s: "
-                                      f"rank(s) {missing[:8]} of {world_size} never joined")
-        time.sleep(0.02)
 
 
 MAX_WORLD_SIZE = 1 << 16  # ranks of one group (the trainer's and every engine's)
