@@ -5,6 +5,7 @@ gloo process-group path (`init_weights_update_group` / `update_weights_from_dist
 processes, including a group that never forms and a trainer that dies mid-update."""
 
 import base64
+import contextlib
 import io
 import os
 import pickle
@@ -26,7 +27,7 @@ from torpor.engine import LLM, SamplingParams
 from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.engine.weights.payload import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
-from torpor.engine.weights.transport import await_work
+from torpor.engine.weights.transport import WeightTransferError, await_work
 from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.rl.engine_process import free_port
@@ -563,7 +564,7 @@ def test_a_rank_that_never_joins_is_a_clear_error_and_leaves_nothing(tiny_model_
     from torpor.engine.weights.transport import WeightTransferError
 
     llm = LLM(tiny_model_path, **ENGINE)
-    before = _open_fds_and_threads()
+    before = _sockets_and_threads()
     port, hosted = free_port(), {}
 
     def host() -> None:
@@ -581,12 +582,71 @@ def test_a_rank_that_never_joins_is_a_clear_error_and_leaves_nothing(tiny_model_
     trainer.join(30)
     assert "2/3 clients joined" in str(hosted.get("error")), hosted
     gc.collect()
-    wait_for_quiet = time.monotonic() + 10
-    while _open_fds_and_threads() != before and time.monotonic() < wait_for_quiet:
+    deadline = time.monotonic() + 10  # no more sockets or threads than before (the trainer's thread ends too)
+    while any(now > then for now, then in zip(_sockets_and_threads(), before, strict=True)):
+        assert time.monotonic() < deadline, (_sockets_and_threads(), before)
         time.sleep(0.05)
-    assert _open_fds_and_threads() == before
     with pytest.raises(ValueError, match="no weights update group 'partial'"):
         llm.destroy_weights_update_group("partial")
+
+
+@pytest.mark.slow
+def test_a_broadcast_of_another_size_than_declared_is_an_error_not_a_crash(tiny_model_path, new_weights_path):
+    """float32 broadcast where bfloat16 was declared (twice the bytes): gloo ended the engine's process (SIGABRT in
+    its I/O thread: every client dropped). bfloat16 where float32 was declared (half the bytes): gloo filled half of
+    each tensor and said nothing. Now both are a clear error naming the tensor, the group is destroyed, and the
+    engine (its own process here, so that an abort fails the test, not the test run) serves its old weights."""
+    import threading
+
+    import torch.distributed as dist
+    from sglang_trainer import broadcast_all, trainer_group
+
+    from torpor.rl.engine_process import EngineProcess
+
+    named = list(iter_checkpoint(new_weights_path))
+    body = {"names": [n for n, _ in named], "shapes": [list(t.shape) for _, t in named], "group_name": "mismatch"}
+    serve = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "8",
+             "--block-size", "4", "--served-model-name", "tiny"]
+    with EngineProcess(tiny_model_path, serve, admin_token=ADMIN) as engine:
+        def answers() -> list:
+            return [engine.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 8,
+                                                          "temperature": 0, "ignore_eos": True})["choices"][0]["text"]
+                    for p in PROMPTS]
+
+        before = answers()
+        for declared, sent, problem in (("bfloat16", torch.float32, "was longer"),
+                                        ("float32", torch.bfloat16, "was shorter")):
+            port, replies = free_port(), {}
+
+            def post(route: str, json: dict, replies=replies) -> None:
+                replies[route] = engine.http.post(route, json=json)
+
+            joining = threading.Thread(target=post, args=("/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": "mismatch", "backend": "gloo", "timeout": 30}))
+            joining.start()
+            group = trainer_group(port, 2, "mismatch", timeout_s=30)
+            joining.join(60)
+            assert replies["/init_weights_update_group"].status_code == 200, replies
+            receiving = threading.Thread(target=post, args=("/update_weights_from_distributed",
+                                                            {**body, "dtypes": [declared] * len(named)}))
+            receiving.start()
+            start = time.monotonic()
+            with contextlib.suppress(RuntimeError):  # the engine destroys the group: the broadcasts after fail
+                broadcast_all(group, [t.to(sent) for _, t in named])
+            assert time.monotonic() - start < 15  # at once, not at the group's timeout (30 s)
+            receiving.join(60)
+            dist.destroy_process_group(group)
+            assert engine.process.poll() is None, f"the engine died ({engine.process.returncode}):\n{engine.output()}"
+            reply = replies["/update_weights_from_distributed"]
+            assert reply.status_code == 409, reply.text
+            message = reply.json()["error"]["message"]
+            assert f"broadcast of {named[0][0]!r} {problem}" in message and f"declared torch.{declared}" in message, \
+                message
+            assert "'mismatch' failed after 0 of" in message and "the group is destroyed" in message, message
+            assert "no weights update group" in engine.http.post("/destroy_weights_update_group", json={
+                "group_name": "mismatch"}).text
+        assert answers() == before  # nothing was written
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -812,6 +872,14 @@ def _open_fds_and_threads() -> tuple[int, int]:
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
 
+def _sockets_and_threads() -> tuple[int, int]:
+    sockets = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return sockets, len(os.listdir("/proc/self/task"))
+
+
 def test_closing_the_engine_destroys_its_groups(tiny_model_path):
     """Before: the groups were the process's, not the engine's; a closed engine left its group's sockets and
     gloo threads behind, and the next engine of the process could not init a group of the same name."""
@@ -976,3 +1044,70 @@ def test_waiting_for_broadcasts_is_bounded_and_reports_a_trainer_gone():
     with pytest.raises(RuntimeError, match="the broadcast failed"):
         await_work(pending, 30)
     assert time.monotonic() - start < 10  # at once, not at the timeout
+
+
+def _update_groups(world_size: int, name: str, timeout: float = 30) -> list:
+    """Every rank of one group formed by `open_update_group` (rank 0 hosts), each on a thread of this process."""
+    import threading
+
+    from torpor.engine.weights.transport import open_update_group
+
+    port, groups = free_port(), [None] * world_size
+
+    def join(rank: int) -> None:
+        groups[rank] = open_update_group("127.0.0.1", port, rank, world_size, name, "gloo", torch.device("cpu"),
+                                         timeout)
+
+    joining = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
+    for t in joining:
+        t.start()
+    for t in joining:
+        t.join(timeout + 10)
+    assert all(groups), "the group did not form"
+    return groups
+
+
+def _receive_on_engine_ranks(groups: list, specs: list) -> list:
+    """`receive_tensors` on ranks 1.. (threads) while rank 0 is left to the caller; each rank's result or error."""
+    import threading
+
+    from torpor.engine.weights.transport import receive_tensors
+
+    results: list = [None] * len(groups)
+
+    def receive(rank: int) -> None:
+        try:
+            results[rank] = receive_tensors(groups[rank], specs)
+        except Exception as e:  # the test looks at it
+            results[rank] = e
+
+    threads = [threading.Thread(target=receive, args=(rank,)) for rank in range(1, len(groups))]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_receives_fit_any_dtype_on_every_rank_also_where_gloo_forwards(world_size):
+    """gloo's broadcast is a tree: from 4 ranks on, an engine rank forwards what it received to another, its whole
+    buffer. The receive buffers stay alike on every rank, so a correct push arrives whole everywhere and a push in
+    another dtype (float32 for bfloat16: twice the bytes) is the same clear error on every rank, not an abort."""
+    from torpor.engine.weights.transport import broadcast
+
+    sent = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.full((5,), 0.5, dtype=torch.float32)]
+    for dtypes, failing in ((torch.float32, False), (torch.bfloat16, True)):
+        groups = _update_groups(world_size, f"tree{world_size}")
+        specs = [(f"t{i}", dtypes, tuple(t.shape)) for i, t in enumerate(sent)]
+        threads, results = _receive_on_engine_ranks(groups, specs)
+        with contextlib.suppress(RuntimeError):  # failing: the engine ranks destroy the group
+            for tensor in sent:
+                broadcast(groups[0], tensor.clone())
+        for t in threads:
+            t.join(30)
+        for rank in range(1, world_size):
+            if failing:
+                assert isinstance(results[rank], WeightTransferError), (rank, results[rank])
+                assert "broadcast of 't0' was longer than its declared torch.bfloat16 [3, 4]" in str(results[rank])
+            else:
+                assert [n for n, _ in results[rank]] == ["t0", "t1"], (rank, results[rank])
+                assert all(torch.equal(got, want) for (_, got), want in zip(results[rank], sent, strict=True))

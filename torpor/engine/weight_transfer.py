@@ -34,7 +34,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 
@@ -46,10 +45,9 @@ from torpor.engine.weights.transport import (
     DEFAULT_GROUP_TIMEOUT_S,
     UpdateGroup,
     WeightTransferError,
-    _start_broadcast,
-    await_work,
     destroy_group_handle,
     open_update_group,
+    receive_tensors,
 )
 
 
@@ -449,33 +447,18 @@ def init_weights_update_group(engine, master_address: str, master_port: int, ran
 def receive_named_tensors(runner, group_name: str, names: Sequence[str], dtypes: Sequence,
                           shapes: Sequence) -> list[tuple[str, torch.Tensor]]:
     """The trainer's broadcasts of `names` (in order) into fresh tensors on this rank's device. All
-    checked before anything is received; a broadcast that fails (trainer gone, timeout) destroys the group
-    and raises WeightTransferError. Nothing is written to the model here."""
+    checked before anything is received; a broadcast that fails (trainer gone, timeout, another size than
+    declared) destroys the group and raises WeightTransferError (`transport.receive_tensors`). Nothing is
+    written to the model here."""
     group = _group(runner, group_name)
     specs = _specs(names, dtypes, shapes)
-    received, last = [], None
-    for name, dtype, shape in specs:
-        try:  # an allocation that fails leaves the group out of step with the trainer, as a failed broadcast does
-            tensor = torch.empty(shape, dtype=dtype, device=group.device)
-            last = _start_broadcast(group, tensor)
-        except Exception as e:
-            _give_up(runner, group_name, f"failed while receiving {name!r} ({len(received)} of {len(specs)} "
-                     "received", e)
-        received.append((name, tensor))
-    try:  # gloo's works are done already (each raised its error at once)
-        if group.backend == "nccl":
-            await_work(last, group.timeout_s)
-    except Exception as e:
-        _give_up(runner, group_name, f"failed while receiving ({len(specs)} broadcasts started, not all arrived", e)
+    try:
+        received = receive_tensors(group, specs)
+    except WeightTransferError:
+        destroy_update_group(runner, group_name)  # destroyed already: out of step with the trainer
+        raise
     _synchronize(group.device)  # the broadcasts ran on the group's stream; the copies run on the engine's
     return received
-
-
-def _give_up(runner, group_name: str, what: str, error: Exception) -> NoReturn:
-    """A receive that failed: the group is destroyed (it is out of step with the trainer), nothing was written."""
-    destroy_update_group(runner, group_name)
-    raise WeightTransferError(f"weights update group {group_name!r} {what}; nothing was written, the previous "
-                              f"weights stay; the group is destroyed): {error}") from None
 
 
 def _specs(names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

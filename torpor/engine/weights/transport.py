@@ -10,7 +10,7 @@ import re
 import reprlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -35,9 +35,10 @@ class UpdateGroup:
     rank: int
     world_size: int
     backend: str
-    group: object  # ProcessGroupGloo / ProcessGroupNCCL
+    group: object  # ProcessGroupGloo / ProcessGroupNCCL (None once destroyed)
     device: torch.device
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S  # how long a receive waits for the trainer's broadcasts
+    destroyed: bool = False
 
 
 
@@ -61,10 +62,12 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
         try:
             group = _backend_group(store, group_name, rank, world_size, backend, timeout)
         except RuntimeError as e:  # gloo connects every pair now: a rank that never came is its store's timeout
-            raise WeightTransferError(f"weights update group {group_name!r} did not form within {timeout_s:g} s: "
-                                      f"not every one of its {world_size} ranks joined (this one is rank {rank}): "
-                                      f"{_first_line(e)}") from None
-    return UpdateGroup(group_name, rank, world_size, backend, group, device, timeout_s)
+            failure = _first_line(e)
+        else:
+            return UpdateGroup(group_name, rank, world_size, backend, group, device, timeout_s)
+    del store  # raised from here, the error holds no frame that holds the store (its socket goes now)
+    raise WeightTransferError(f"weights update group {group_name!r} did not form within {timeout_s:g} s: not every "
+                              f"one of its {world_size} ranks joined (this one is rank {rank}): {failure}")
 
 
 def _rendezvous(address: str, port: int, rank: int, world_size: int, group_name: str, timeout: timedelta,
@@ -239,8 +242,101 @@ def await_work(last, timeout_s: float, poll_s: float = 1e-4) -> None:
 
 
 def destroy_group_handle(group: UpdateGroup) -> None:
-    """End one group's communicator (NCCL: abort it; gloo: its sockets close with the object)."""
-    abort = getattr(group.group, "abort", None)
-    if group.backend == "nccl" and abort is not None:
-        abort()
+    """End one group's communicator (NCCL: abort it; gloo: its sockets close with the object). Once."""
+    if group.destroyed:
+        return
+    group.destroyed = True
+    backend, group.group = group.group, None  # the last reference, whoever still holds the handle (a traceback)
+    if group.backend == "nccl" and getattr(backend, "abort", None) is not None:
+        backend.abort()  # never gloo's: it does not end a wait, and leaves a thread that ends the process at exit
+    del backend  # gloo: its sockets close now, and the trainer's next broadcast fails at once
+
+
+# ---- receiving an update ------------------------------------------------------------------------------
+Spec = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor the trainer broadcasts: name, dtype, shape
+MAX_ITEMSIZE = 8  # the largest element a trainer's tensor has (float64)
+_WINDOW = 16  # bytes past a tensor's end, watched for a broadcast longer than declared
+_UNWRITTEN = 0xFF  # what the watched bytes of a receive buffer hold before a broadcast
+
+
+def receive_tensors(group: UpdateGroup, specs: Sequence[Spec]) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's broadcasts of `specs`, in order, into fresh tensors on the group's device. Whatever the trainer
+    sends, the engine lives on: a broadcast of another size than declared (float32 for a declared bfloat16, a
+    tensor out of order) is a WeightTransferError naming the tensor, and so is any failure (the trainer gone, a
+    timeout); the group is then destroyed (the trainer's stream and this one are out of step) and nothing was
+    received. Writes nothing to the model.
+
+    gloo ends the process (`GLOO_ENFORCE` in its I/O thread: SIGABRT) when a broadcast is larger than the receive
+    buffer; a smaller one completes, filling part of the buffer, and gloo says nothing of how much. So every
+    broadcast lands in a host buffer of `MAX_ITEMSIZE` bytes per element (a tensor in any dtype fits; see
+    `_receive_gloo` for which tensor's elements), the bytes around the declared end are watched (`_size_mismatch`),
+    and the declared bytes are copied into the fresh tensor. A broadcast larger than that bound still ends the
+    process. NCCL checks no sizes either: a mismatch there puts the two streams out of step (bytes of one tensor
+    land in the next, one side waits for bytes that never come) and cannot be seen from this side, so NCCL receives
+    into the declared tensors directly; what bounds it is the wait (the group's timeout, then the abort) and the
+    finite check every update passes before a byte is written."""
+    received: list[tuple[str, torch.Tensor]] = []
+    try:
+        if group.backend == "gloo":
+            _receive_gloo(group, specs, received)
+        else:
+            _receive_nccl(group, specs, received)
+    except Exception as e:
+        destroy_group_handle(group)
+        arrived = len(received)
+        received.clear()
+        raise WeightTransferError(f"weights update group {group.name!r} failed after {arrived} of {len(specs)} "
+                                  f"tensors arrived; the group is destroyed (out of step with the trainer: init it "
+                                  f"again); nothing was written, the previous weights stay: {e}") from None
+    return received
+
+
+def _receive_gloo(group: UpdateGroup, specs: Sequence[Spec], received: list) -> None:
+    sizes = [MAX_ITEMSIZE * _numel(shape) + _WINDOW for _, _, shape in specs]
+    # gloo's broadcast is a binomial tree: from 4 ranks on, engine ranks forward their whole buffer to others, so
+    # there each broadcast gets a buffer of its own tensor's bound (a dtype mistake fits); up to 3 ranks nothing
+    # is forwarded and every one gets the largest bound (a tensor out of order fits too). The same on every rank.
+    shared = group.world_size <= 3
+    buffer = torch.empty(max(sizes), dtype=torch.uint8)
+    for (name, dtype, shape), size in zip(specs, sizes, strict=True):
+        nbytes = _numel(shape) * dtype.itemsize
+        view = buffer if shared else buffer[:size]
+        view[max(0, nbytes - 1):nbytes + _WINDOW].fill_(_UNWRITTEN)
+        _start_broadcast(group, view)
+        problem = _size_mismatch(view, nbytes)
+        if problem:
+            raise ValueError(f"the trainer's broadcast of {name!r} {problem} than its declared {dtype} "
+                             f"{list(shape)} ({nbytes} bytes): another dtype, shape or order than declared?")
+        tensor = torch.empty(shape, dtype=dtype, device=group.device)
+        tensor.view(-1).view(torch.uint8).copy_(view[:nbytes])
+        received.append((name, tensor))
+
+
+def _size_mismatch(buffer: torch.Tensor, nbytes: int) -> str | None:
+    """'was longer' when a watched byte after the declared end was written; 'was shorter' when the declared last
+    byte was not (it still holds the fill: a last value that is not finite, or beyond 2**127 in magnitude, in every
+    float dtype, which the update would refuse anyway)."""
+    if bool((buffer[nbytes:nbytes + _WINDOW] != _UNWRITTEN).any()):
+        return "was longer"
+    if nbytes and int(buffer[nbytes - 1]) == _UNWRITTEN:
+        return "was shorter (or its last value is not finite)"
+    return None
+
+
+def _receive_nccl(group: UpdateGroup, specs: Sequence[Spec], received: list) -> None:
+    last = None
+    with torch.cuda.device(group.device):
+        for name, dtype, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype, device=group.device)
+            last = _start_broadcast(group, tensor)
+            received.append((name, tensor))
+        if last is not None:  # NCCL's broadcasts return before their data moved
+            await_work(last, group.timeout_s)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
