@@ -1111,3 +1111,54 @@ def test_receives_fit_any_dtype_on_every_rank_also_where_gloo_forwards(world_siz
             else:
                 assert [n for n, _ in results[rank]] == ["t0", "t1"], (rank, results[rank])
                 assert all(torch.equal(got, want) for (_, got), want in zip(results[rank], sent, strict=True))
+
+
+STALLING_TRAINER = """
+    import sys, torch
+    sys.path.insert(0, sys.argv[3])
+    from sglang_trainer import broadcast_all, trainer_group
+    group = trainer_group(int(sys.argv[1]), 2, "stall", timeout_s=60)
+    broadcast_all(group, [torch.full((4,), float(i)) for i in range(int(sys.argv[2]))])
+    print("sent", flush=True)
+    sys.stdin.readline()  # and then nothing more
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent", [0, 1])
+def test_a_receive_on_its_own_thread_ends_at_its_deadline_when_the_trainer_stalls(sent):
+    """A trainer that joined and then stops broadcasting: the receive (on a thread of its own, as the engine runs it
+    off its step) ends at its deadline, not at the group's timeout (60 s), with an error saying how many tensors
+    arrived; the group is destroyed, and its stuck broadcast ended (the thread is gone). gloo's group cannot be
+    aborted out of a waiting broadcast (its `abort()` leaves the wait, and the process then ends at its exit): each
+    broadcast waits until the deadline at most."""
+    import threading
+
+    from torpor.engine.weights.transport import open_update_group, receive_tensors
+
+    port = free_port()
+    trainer = _run_trainer(STALLING_TRAINER, str(port), str(sent), TESTS)
+    try:
+        group = open_update_group("127.0.0.1", port, 1, 2, "stall", "gloo", torch.device("cpu"), 60)
+        specs = [(f"t{i}", torch.float32, (4,)) for i in range(3)]
+        outcome = {}
+
+        def receive() -> None:
+            try:
+                outcome["tensors"] = receive_tensors(group, specs, deadline=time.monotonic() + 1.5)
+            except WeightTransferError as e:
+                outcome["error"] = e
+
+        start = time.monotonic()
+        receiving = threading.Thread(target=receive)
+        receiving.start()
+        receiving.join(30)
+        waited = time.monotonic() - start
+        assert not receiving.is_alive(), "the receive still waits"
+        assert 1.4 < waited < 10, waited
+        assert f"'stall' failed after {sent} of 3 tensors arrived" in str(outcome.get("error")), outcome
+        assert "the deadline passed: the trainer sent nothing more" in str(outcome["error"])
+        assert group.destroyed and group.group is None
+        assert trainer.stdout.readline().strip() == "sent"
+    finally:
+        _finish(trainer)

@@ -10,7 +10,7 @@ import re
 import reprlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -212,12 +212,15 @@ def broadcast(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _start_broadcast(group: UpdateGroup, tensor: torch.Tensor):
-    """`broadcast`, returning its work (what `await_work` waits for)."""
+def _start_broadcast(group: UpdateGroup, tensor: torch.Tensor, timeout: timedelta | None = None):
+    """`broadcast`, returning its work (what `await_work` waits for); `timeout`: this broadcast's own (default:
+    the group's)."""
     import torch.distributed as dist
 
     options = dist.BroadcastOptions()
     options.rootRank = 0
+    if timeout is not None:
+        options.timeout = timeout
     work = group.group.broadcast([tensor], options)
     work.wait()
     return work
@@ -259,39 +262,68 @@ _WINDOW = 16  # bytes past a tensor's end, watched for a broadcast longer than d
 _UNWRITTEN = 0xFF  # what the watched bytes of a receive buffer hold before a broadcast
 
 
-def receive_tensors(group: UpdateGroup, specs: Sequence[Spec]) -> list[tuple[str, torch.Tensor]]:
-    """The trainer's broadcasts of `specs`, in order, into fresh tensors on the group's device. Whatever the trainer
-    sends, the engine lives on: a broadcast of another size than declared (float32 for a declared bfloat16, a
-    tensor out of order) is a WeightTransferError naming the tensor, and so is any failure (the trainer gone, a
-    timeout); the group is then destroyed (the trainer's stream and this one are out of step) and nothing was
-    received. Writes nothing to the model.
+def receive_tensors(group: UpdateGroup, specs: Sequence[Spec], deadline: float | None = None,
+                    stream: torch.cuda.Stream | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's broadcasts of `specs`, in order, into fresh tensors on the group's device, by `deadline` (a
+    `time.monotonic()` value; default: the group's timeout from now). Touches no engine state, so it may run on a
+    thread of its own while the engine serves; on CUDA the tensors are made (and NCCL's broadcasts queued) on
+    `stream` (default: that thread's current stream), and when it returns every tensor is complete on the device.
+    Whatever the trainer does, the engine lives on: a broadcast of another size than declared (float32 for a
+    declared bfloat16, a tensor out of order) is a WeightTransferError naming the tensor, and so is a trainer gone,
+    or one that stops sending (at the deadline: the error says how many tensors arrived); the group is then
+    destroyed (the trainer's stream and this one are out of step), which also ends a collective still waiting, and
+    nothing is returned. Writes nothing to the model.
 
     gloo ends the process (`GLOO_ENFORCE` in its I/O thread: SIGABRT) when a broadcast is larger than the receive
     buffer; a smaller one completes, filling part of the buffer, and gloo says nothing of how much. So every
     broadcast lands in a host buffer of `MAX_ITEMSIZE` bytes per element (a tensor in any dtype fits; see
     `_receive_gloo` for which tensor's elements), the bytes around the declared end are watched (`_size_mismatch`),
     and the declared bytes are copied into the fresh tensor. A broadcast larger than that bound still ends the
-    process. NCCL checks no sizes either: a mismatch there puts the two streams out of step (bytes of one tensor
-    land in the next, one side waits for bytes that never come) and cannot be seen from this side, so NCCL receives
-    into the declared tensors directly; what bounds it is the wait (the group's timeout, then the abort) and the
+    process. Each gloo broadcast waits until the deadline at most (its own timeout): neither destroying nor aborting
+    a gloo group ends a broadcast that waits, only its timeout does. NCCL checks no sizes either: a mismatch there
+    puts the two streams out of step (bytes of one tensor land in the next, one side waits for bytes that never
+    come) and cannot be seen from this side, so NCCL receives into the declared tensors directly; what bounds it is
+    the wait, polled on the host until the deadline, then the abort (which ends the kernels still waiting), and the
     finite check every update passes before a byte is written."""
+    deadline = time.monotonic() + group.timeout_s if deadline is None else deadline
     received: list[tuple[str, torch.Tensor]] = []
     try:
-        if group.backend == "gloo":
-            _receive_gloo(group, specs, received)
-        else:
-            _receive_nccl(group, specs, received)
+        with _on(group.device, stream):
+            if group.backend == "gloo":
+                _receive_gloo(group, specs, deadline, received)
+            else:
+                _receive_nccl(group, specs, deadline, received)
     except Exception as e:
-        destroy_group_handle(group)
-        arrived = len(received)
-        received.clear()
-        raise WeightTransferError(f"weights update group {group.name!r} failed after {arrived} of {len(specs)} "
-                                  f"tensors arrived; the group is destroyed (out of step with the trainer: init it "
-                                  f"again); nothing was written, the previous weights stay: {e}") from None
-    return received
+        late = time.monotonic() >= deadline - 0.05  # gloo's own timeout, in whole milliseconds, may come first
+        cause = "the deadline passed: the trainer sent nothing more" if late else str(e)
+    else:
+        return received
+    destroy_group_handle(group)  # raised from here, the error holds no frame that holds the tensors or the group
+    arrived = len(received)
+    received.clear()
+    raise WeightTransferError(f"weights update group {group.name!r} failed after {arrived} of {len(specs)} tensors "
+                              f"arrived; the group is destroyed (out of step with the trainer: init it again); "
+                              f"nothing was written, the previous weights stay: {cause}")
 
 
-def _receive_gloo(group: UpdateGroup, specs: Sequence[Spec], received: list) -> None:
+@contextlib.contextmanager
+def _on(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """CUDA: `device` (this thread's CUDA calls go there) and `stream`, given back after. CPU: nothing."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        yield
+
+
+def _remaining(deadline: float) -> timedelta:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    return timedelta(seconds=left)
+
+
+def _receive_gloo(group: UpdateGroup, specs: Sequence[Spec], deadline: float, received: list) -> None:
     sizes = [MAX_ITEMSIZE * _numel(shape) + _WINDOW for _, _, shape in specs]
     # gloo's broadcast is a binomial tree: from 4 ranks on, engine ranks forward their whole buffer to others, so
     # there each broadcast gets a buffer of its own tensor's bound (a dtype mistake fits); up to 3 ranks nothing
@@ -302,7 +334,7 @@ def _receive_gloo(group: UpdateGroup, specs: Sequence[Spec], received: list) -> 
         nbytes = _numel(shape) * dtype.itemsize
         view = buffer if shared else buffer[:size]
         view[max(0, nbytes - 1):nbytes + _WINDOW].fill_(_UNWRITTEN)
-        _start_broadcast(group, view)
+        _start_broadcast(group, view, _remaining(deadline))
         problem = _size_mismatch(view, nbytes)
         if problem:
             raise ValueError(f"the trainer's broadcast of {name!r} {problem} than its declared {dtype} "
@@ -310,6 +342,8 @@ def _receive_gloo(group: UpdateGroup, specs: Sequence[Spec], received: list) -> 
         tensor = torch.empty(shape, dtype=dtype, device=group.device)
         tensor.view(-1).view(torch.uint8).copy_(view[:nbytes])
         received.append((name, tensor))
+    if group.device.type == "cuda":
+        torch.cuda.current_stream(group.device).synchronize()  # the copies to the device are done
 
 
 def _size_mismatch(buffer: torch.Tensor, nbytes: int) -> str | None:
@@ -323,15 +357,14 @@ def _size_mismatch(buffer: torch.Tensor, nbytes: int) -> str | None:
     return None
 
 
-def _receive_nccl(group: UpdateGroup, specs: Sequence[Spec], received: list) -> None:
+def _receive_nccl(group: UpdateGroup, specs: Sequence[Spec], deadline: float, received: list) -> None:
     last = None
-    with torch.cuda.device(group.device):
-        for name, dtype, shape in specs:
-            tensor = torch.empty(shape, dtype=dtype, device=group.device)
-            last = _start_broadcast(group, tensor)
-            received.append((name, tensor))
-        if last is not None:  # NCCL's broadcasts return before their data moved
-            await_work(last, group.timeout_s)
+    for name, dtype, shape in specs:
+        tensor = torch.empty(shape, dtype=dtype, device=group.device)
+        last = _start_broadcast(group, tensor)
+        received.append((name, tensor))
+    if last is not None:  # NCCL's broadcasts return before their data moved
+        await_work(last, max(0.0, deadline - time.monotonic()))
 
 
 def _numel(shape: Sequence[int]) -> int:
