@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 import mmap
 import os
 import re
@@ -36,6 +37,7 @@ import torch
 SHM_DIR = Path("/dev/shm")
 HEADER_BYTES = 64  # torch's RefcountedMapAllocator: the reference count, then the data at this offset
 _NAME = re.compile(r"/torch_\d+_\d+_\d+")
+logger = logging.getLogger("torpor.engine")
 
 # A tensor over a read-only mapping: torch warns, once per process, that writing through it is undefined. Nothing
 # writes to a trainer's memory here (a stray write would fault rather than change the trainer's tensors): that one
@@ -60,7 +62,6 @@ class _Mapped:
     """One file mapped here: its data read-only, its count (the first page) read-write, both unmapped when the
     last tensor over the data goes."""
 
-    file_id: tuple[int, int]
     nbytes: int
     data: weakref.ref  # the data's mmap, alive while a tensor uses it
     header: mmap.mmap
@@ -111,7 +112,7 @@ def _map(handle: str, nbytes: int) -> tuple[_Mapped, mmap.mmap]:
         header = mmap.mmap(fd, HEADER_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    mapped = _Mapped((info.st_dev, info.st_ino), nbytes, weakref.ref(data), header, ctypes.c_int32.from_buffer(header))
+    mapped = _Mapped(nbytes, weakref.ref(data), header, ctypes.c_int32.from_buffer(header))
     weakref.finalize(data, _unmap, handle, mapped)
     _open[handle] = mapped
     return mapped, data
@@ -124,12 +125,6 @@ def _unmap(handle: str, mapped: _Mapped) -> None:
             del _open[handle]
         del mapped.count  # the buffer export, before the close
         mapped.header.close()
-
-
-def mapped_files() -> int:
-    """How many shared-memory files this process has mapped through `open_shared` now."""
-    with _open_lock:
-        return len(_open)
 
 
 # ---- the reference count ------------------------------------------------------------------------------
@@ -199,19 +194,21 @@ _SEQ_CST = 5  # __ATOMIC_SEQ_CST
 @functools.cache
 def _atomics():
     """libatomic's 4-byte load and compare-exchange (what `std::atomic<int>` compiles to), or None without it."""
-    for name in ("libatomic.so.1", "find"):
-        if name == "find":
-            name = ctypes.util.find_library("atomic")  # runs ldconfig: only where the usual name is not found
-            if name is None:
-                return None
+    try:
+        lib = ctypes.CDLL("libatomic.so.1")
+    except OSError:
+        name = ctypes.util.find_library("atomic")  # runs ldconfig: only where the usual name is not found
         try:
-            lib = ctypes.CDLL(name)
+            lib = ctypes.CDLL(name) if name else None
         except OSError:
-            continue
-        load = getattr(lib, "__atomic_load_4")
-        load.argtypes, load.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32
-        compare_exchange = getattr(lib, "__atomic_compare_exchange_4")
-        compare_exchange.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int, ctypes.c_int]
-        compare_exchange.restype = ctypes.c_bool
-        return load, compare_exchange
-    return None
+            lib = None
+    if lib is None:
+        logger.warning("libatomic not found: shared-memory reference counts are left alone, so a trainer's files "
+                       "are removed when it exits, not when it drops them")
+        return None
+    load = getattr(lib, "__atomic_load_4")
+    load.argtypes, load.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32
+    compare_exchange = getattr(lib, "__atomic_compare_exchange_4")
+    compare_exchange.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int, ctypes.c_int]
+    compare_exchange.restype = ctypes.c_bool
+    return load, compare_exchange

@@ -81,7 +81,7 @@ def _rendezvous(address: str, port: int, rank: int, world_size: int, group_name:
         store = _host_store(address, port, world_size, group_name, timeout, give_up)
     else:
         try:
-            store = dist.TCPStore(address, port, world_size, False, timeout=timeout)
+            store = dist.TCPStore(address, port, world_size, False, timeout=timeout)  # counts itself in
         except (RuntimeError, OSError) as e:
             raise WeightTransferError(f"weights update group {group_name!r}: cannot reach the trainer's store at "
                                       f"{address}:{port} within {timeout.total_seconds():g} s: "
@@ -110,9 +110,11 @@ def _host_store(address: str, port: int, world_size: int, group_name: str, timeo
         waiting.join(0.02)
         reason = give_up() if give_up is not None and waiting.is_alive() else None
         if reason:
-            standins = [dist.TCPStore(address, port, world_size, False, timeout=timeout)
-                        for _ in range(world_size - 1)]
-            waiting.join()
+            standins = []
+            with contextlib.suppress(RuntimeError, OSError):  # else the host's own timeout ends its wait
+                standins += [dist.TCPStore(address, port, world_size, False, timeout=timeout)
+                             for _ in range(world_size - 1)]
+            waiting.join(timeout.total_seconds())
             del standins, made
             raise WeightTransferError(f"weights update group {group_name!r} will not form: {reason}")
     if "error" in made:  # e.g. "Timed out after 121 seconds waiting for clients. 1/2 clients joined."
@@ -134,7 +136,7 @@ def _backend_group(store, group_name: str, rank: int, world_size: int, backend: 
         group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world_size, timeout)
     else:
         group = _nccl_group(dist.PrefixStore("cuda/", prefix), rank, world_size, timeout)
-    group._set_sequence_number_for_group()  # as torch's helper does (gloo's rank 0 draws it; NCCL starts at 0)
+    group._set_sequence_number_for_group()  # as torch's helper does (numbers for its debugging tools)
     return group
 
 
@@ -143,8 +145,9 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-# A receive gives up on the trainer at the group's timeout and aborts the communicator itself; NCCL's watchdog,
-# which acts at its own timeout, gets this much longer, so the receive's error (and its roll-back) comes first.
+# A receive gives up on the trainer at its deadline (the group's timeout from its start, by default) and aborts the
+# communicator itself; NCCL's watchdog, which acts at its own timeout, gets this much longer than the group's, so the
+# receive's error (and its roll-back) comes first.
 _WATCHDOG_MARGIN = timedelta(seconds=30)
 _nccl_env_lock = threading.Lock()
 
@@ -285,6 +288,8 @@ def receive_tensors(group: UpdateGroup, specs: Sequence[Spec], deadline: float |
     come) and cannot be seen from this side, so NCCL receives into the declared tensors directly; what bounds it is
     the wait, polled on the host until the deadline, then the abort (which ends the kernels still waiting), and the
     finite check every update passes before a byte is written."""
+    if not specs:
+        return []
     deadline = time.monotonic() + group.timeout_s if deadline is None else deadline
     received: list[tuple[str, torch.Tensor]] = []
     try:
