@@ -191,6 +191,7 @@ SHRINKING = """
 """
 
 
+@pytest.mark.slow
 def test_a_shared_memory_file_that_shrank_is_refused_not_a_crash():
     """Reading a mapping past its file's end is SIGBUS: the engine gone. A file shorter than the payload claims is
     refused whether this process still has it mapped (a push keeps its buffers mapped) or maps it anew."""
@@ -553,6 +554,7 @@ def test_an_sglang_style_trainer_forms_the_group_and_pushes(server, tiny_model_p
     assert _served(server) == expected.old
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_joins_is_a_clear_error_and_leaves_nothing(tiny_model_path):
     """World of 3 (the trainer, this engine, and a rank that never comes): the engine's join fails within the
     group's timeout, names the group, and leaves no socket or thread behind; the name is free again."""
