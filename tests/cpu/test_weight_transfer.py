@@ -2,10 +2,10 @@
 payloads (SGLang's `update_weights_from_tensor`) in process and over HTTP, flattened buckets, the restricted
 unpickler against malicious pickles, checks before any write, level-2 pushes in several buckets, and the
 gloo process-group path (`init_weights_update_group` / `update_weights_from_distributed`) across real
-processes, including a group that never forms and a trainer that dies mid-update."""
+processes, including a group that never forms and a trainer that dies mid-update (how the group forms, its
+arguments, sizes and deadlines: test_weight_groups.py)."""
 
 import base64
-import contextlib
 import io
 import os
 import pickle
@@ -27,7 +27,7 @@ from torpor.engine import LLM, SamplingParams
 from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.engine.weights.payload import RefusedPickle, RestrictedUnpickler, named_tensors_of, unpickle_payload
-from torpor.engine.weights.transport import WeightTransferError, await_work
+from torpor.engine.weights.transport import await_work
 from torpor.engine.worker_group import RankError
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.rl.engine_process import free_port
@@ -505,177 +505,6 @@ def test_process_group_push_and_failures(server, tiny_model_path, new_weights_pa
     assert _served(server) == old
 
 
-SGLANG_TRAINER = """
-    import sys, threading, httpx
-    sys.path.insert(0, {tests!r})
-    from sglang_trainer import broadcast_all, trainer_group
-    from torpor.engine.weights.loader import iter_checkpoint
-    port = int(sys.argv[1])
-    http = httpx.Client(base_url={url!r}, headers={{"Authorization": "Bearer {admin}"}}, timeout=120)
-    answers = {{}}
-
-    def post(route, body):
-        answers[route] = http.post(route, json=body)
-
-    # As slime does: the engine is asked to join, then this process forms the group (rank 0) while it joins.
-    joining = threading.Thread(target=post, args=("/init_weights_update_group", {{
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": "sglang", "backend": "gloo", "timeout": 20}}))
-    joining.start()
-    group = trainer_group(port, 2, "sglang", timeout_s=30)
-    joining.join()
-    print("init", answers["/init_weights_update_group"].status_code, flush=True)
-    named = list(iter_checkpoint({path!r}))
-    receiving = threading.Thread(target=post, args=("/update_weights_from_distributed", {{
-        "names": [n for n, _ in named], "dtypes": ["float32"] * len(named), "shapes": [list(t.shape) for _, t in named],
-        "group_name": "sglang"}}))
-    receiving.start()  # the broadcasts while /update_weights_from_distributed is pending
-    broadcast_all(group, [t for _, t in named])
-    receiving.join()
-    print("update", answers["/update_weights_from_distributed"].status_code, flush=True)
-    destroyed = http.post("/destroy_weights_update_group", json={{"group_name": "sglang"}})
-    print("destroy", destroyed.status_code, flush=True)
-"""
-
-
-@pytest.mark.slow
-def test_an_sglang_style_trainer_forms_the_group_and_pushes(server, tiny_model_path, new_weights_path, expected):
-    """A trainer written as SGLang's users write it: torch's `tcp://` rendezvous as rank 0 and torch's group
-    helper (what SGLang's `init_custom_process_group` calls), then `dist.broadcast` of each tensor. Before: the
-    engine joined the store as a client that never counted itself in and waited for check-in keys only torpor's own
-    pusher wrote; the trainer waited for its second rank ("1/2 clients joined") and the engine answered 409."""
-    trainer = _run_trainer(SGLANG_TRAINER.format(url=server.url, admin=ADMIN, path=new_weights_path, tests=TESTS),
-                           str(free_port()))
-    code, out, err = _finish(trainer, timeout=120)
-    assert code == 0, err
-    assert out.split() == ["init", "200", "update", "200", "destroy", "200"], (out, err)
-    assert _served(server) == expected.new
-    WeightPusher(server.url, ADMIN).push(iter_checkpoint(tiny_model_path))
-    assert _served(server) == expected.old
-
-
-@pytest.mark.slow
-def test_a_rank_that_never_joins_is_a_clear_error_and_leaves_nothing(tiny_model_path):
-    """World of 3 (the trainer, this engine, and a rank that never comes): the engine's join fails within the
-    group's timeout, names the group, and leaves no socket or thread behind; the name is free again."""
-    import gc
-    import threading
-
-    from sglang_trainer import trainer_group
-
-    from torpor.engine.weights.transport import WeightTransferError
-
-    llm = LLM(tiny_model_path, **ENGINE)
-    before = _sockets_and_threads()
-    port, hosted = free_port(), {}
-
-    def host() -> None:
-        try:
-            trainer_group(port, 3, "partial", timeout_s=3)
-        except Exception as e:  # what the trainer saw, for the assertion
-            hosted["error"] = e
-
-    trainer = threading.Thread(target=host)
-    trainer.start()
-    start = time.monotonic()
-    with pytest.raises(WeightTransferError, match=r"'partial' did not form within 2 s: not every one of its 3 ranks"):
-        llm.init_weights_update_group("127.0.0.1", port, 1, 3, "partial", "gloo", timeout=2)
-    assert time.monotonic() - start < 10
-    trainer.join(30)
-    assert "2/3 clients joined" in str(hosted.get("error")), hosted
-    gc.collect()
-    deadline = time.monotonic() + 10  # no more sockets or threads than before (the trainer's thread ends too)
-    while any(now > then for now, then in zip(_sockets_and_threads(), before, strict=True)):
-        assert time.monotonic() < deadline, (_sockets_and_threads(), before)
-        time.sleep(0.05)
-    with pytest.raises(ValueError, match="no weights update group 'partial'"):
-        llm.destroy_weights_update_group("partial")
-
-
-@pytest.mark.slow
-def test_a_broadcast_of_another_size_than_declared_is_an_error_not_a_crash(tiny_model_path, new_weights_path):
-    """float32 broadcast where bfloat16 was declared (twice the bytes): gloo ended the engine's process (SIGABRT in
-    its I/O thread: every client dropped). bfloat16 where float32 was declared (half the bytes): gloo filled half of
-    each tensor and said nothing. Now both are a clear error naming the tensor, the group is destroyed, and the
-    engine (its own process here, so that an abort fails the test, not the test run) serves its old weights."""
-    import threading
-
-    import torch.distributed as dist
-    from sglang_trainer import broadcast_all, trainer_group
-
-    from torpor.rl.engine_process import EngineProcess
-
-    named = list(iter_checkpoint(new_weights_path))
-    body = {"names": [n for n, _ in named], "shapes": [list(t.shape) for _, t in named], "group_name": "mismatch"}
-    serve = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "8",
-             "--block-size", "4", "--served-model-name", "tiny"]
-    with EngineProcess(tiny_model_path, serve, admin_token=ADMIN) as engine:
-        def answers() -> list:
-            return [engine.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 8,
-                                                          "temperature": 0, "ignore_eos": True})["choices"][0]["text"]
-                    for p in PROMPTS]
-
-        before = answers()
-        for declared, sent, problem in (("bfloat16", torch.float32, "was longer"),
-                                        ("float32", torch.bfloat16, "was shorter")):
-            port, replies = free_port(), {}
-
-            def post(route: str, json: dict, replies=replies) -> None:
-                replies[route] = engine.http.post(route, json=json)
-
-            joining = threading.Thread(target=post, args=("/init_weights_update_group", {
-                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                "group_name": "mismatch", "backend": "gloo", "timeout": 30}))
-            joining.start()
-            group = trainer_group(port, 2, "mismatch", timeout_s=30)
-            joining.join(60)
-            assert replies["/init_weights_update_group"].status_code == 200, replies
-            receiving = threading.Thread(target=post, args=("/update_weights_from_distributed",
-                                                            {**body, "dtypes": [declared] * len(named)}))
-            receiving.start()
-            start = time.monotonic()
-            with contextlib.suppress(RuntimeError):  # the engine destroys the group: the broadcasts after fail
-                broadcast_all(group, [t.to(sent) for _, t in named])
-            assert time.monotonic() - start < 15  # at once, not at the group's timeout (30 s)
-            receiving.join(60)
-            dist.destroy_process_group(group)
-            assert engine.process.poll() is None, f"the engine died ({engine.process.returncode}):\n{engine.output()}"
-            reply = replies["/update_weights_from_distributed"]
-            assert reply.status_code == 409, reply.text
-            message = reply.json()["error"]["message"]
-            assert f"broadcast of {named[0][0]!r} {problem}" in message and f"declared torch.{declared}" in message, \
-                message
-            assert "'mismatch' failed after 0 of" in message and "the group is destroyed" in message, message
-            assert "no weights update group" in engine.http.post("/destroy_weights_update_group", json={
-                "group_name": "mismatch"}).text
-        assert answers() == before  # nothing was written
-
-
-@pytest.mark.parametrize("field, value, message", [
-    ("master_port", True, r"master_port must be an integer in \[1, 65535\], got True"),
-    ("master_port", 65536, r"master_port must be an integer in \[1, 65535\], got 65536"),
-    ("world_size", 10**12, r"world_size must be an integer in \[2, 65536\] .*got 1000000000000"),
-    ("world_size", True, r"world_size must be an integer in \[2, 65536\] .*got True"),
-    ("rank", 2, r"rank 2 \(rank_offset \+ the engine's tensor-parallel rank; the trainer is rank 0\) must lie in"),
-    ("timeout", True, r"timeout must be a number of seconds in \(0, 3600\], got True"),
-    ("timeout", "5", r"timeout must be a number of seconds in \(0, 3600\], got '5'"),
-    ("timeout", float("nan"), r"timeout must be a number of seconds in \(0, 3600\], got nan"),
-    ("master_address", "", r"master_address must be a host name or an IP address, got ''"),
-    ("master_address", "127.0.0.1 8000", r"master_address must be a host name or an IP address"),
-    ("group_name", "a/b", r"group_name must be 1-128 letters"),
-])
-def test_group_arguments_are_refused_in_the_apis_words(field, value, message):
-    """Before: a bool passed for a number (JSON's true: port 1, a timeout of 1 s), and `world_size: 10**12` reached
-    TCPStore, whose answer was pybind11's list of constructor signatures."""
-    from torpor.engine.weights.transport import open_update_group
-
-    args = {"master_address": "127.0.0.1", "master_port": free_port(), "rank": 1, "world_size": 2, "group_name": "g",
-            "backend": "gloo", "device": torch.device("cpu"), "timeout": 1.0, field: value}
-    args["timeout_s"] = args.pop("timeout")
-    with pytest.raises(ValueError, match=message):
-        open_update_group(**args)
-
-
 def test_a_trainer_whose_group_the_engine_refuses_fails_at_once(server):
     """The engine answers 403 (a wrong admin token) or 400 at once; before, the trainer still waited the whole
     rendezvous timeout for a rank that would never come, then reported that instead of the engine's answer."""
@@ -874,14 +703,6 @@ def _open_fds_and_threads() -> tuple[int, int]:
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
 
-def _sockets_and_threads() -> tuple[int, int]:
-    sockets = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return sockets, len(os.listdir("/proc/self/task"))
-
-
 def test_closing_the_engine_destroys_its_groups(tiny_model_path):
     """Before: the groups were the process's, not the engine's; a closed engine left its group's sockets and
     gloo threads behind, and the next engine of the process could not init a group of the same name."""
@@ -1046,121 +867,3 @@ def test_waiting_for_broadcasts_is_bounded_and_reports_a_trainer_gone():
     with pytest.raises(RuntimeError, match="the broadcast failed"):
         await_work(pending, 30)
     assert time.monotonic() - start < 10  # at once, not at the timeout
-
-
-def _update_groups(world_size: int, name: str, timeout: float = 30) -> list:
-    """Every rank of one group formed by `open_update_group` (rank 0 hosts), each on a thread of this process."""
-    import threading
-
-    from torpor.engine.weights.transport import open_update_group
-
-    port, groups = free_port(), [None] * world_size
-
-    def join(rank: int) -> None:
-        groups[rank] = open_update_group("127.0.0.1", port, rank, world_size, name, "gloo", torch.device("cpu"),
-                                         timeout)
-
-    joining = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
-    for t in joining:
-        t.start()
-    for t in joining:
-        t.join(timeout + 10)
-    assert all(groups), "the group did not form"
-    return groups
-
-
-def _receive_on_engine_ranks(groups: list, specs: list) -> list:
-    """`receive_tensors` on ranks 1.. (threads) while rank 0 is left to the caller; each rank's result or error."""
-    import threading
-
-    from torpor.engine.weights.transport import receive_tensors
-
-    results: list = [None] * len(groups)
-
-    def receive(rank: int) -> None:
-        try:
-            results[rank] = receive_tensors(groups[rank], specs)
-        except Exception as e:  # the test looks at it
-            results[rank] = e
-
-    threads = [threading.Thread(target=receive, args=(rank,)) for rank in range(1, len(groups))]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_receives_fit_any_dtype_on_every_rank_also_where_gloo_forwards(world_size):
-    """gloo's broadcast is a tree: from 4 ranks on, an engine rank forwards what it received to another, its whole
-    buffer. The receive buffers stay alike on every rank, so a correct push arrives whole everywhere and a push in
-    another dtype (float32 for bfloat16: twice the bytes) is the same clear error on every rank, not an abort."""
-    from torpor.engine.weights.transport import broadcast
-
-    sent = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.full((5,), 0.5, dtype=torch.float32)]
-    for dtypes, failing in ((torch.float32, False), (torch.bfloat16, True)):
-        groups = _update_groups(world_size, f"tree{world_size}")
-        specs = [(f"t{i}", dtypes, tuple(t.shape)) for i, t in enumerate(sent)]
-        threads, results = _receive_on_engine_ranks(groups, specs)
-        with contextlib.suppress(RuntimeError):  # failing: the engine ranks destroy the group
-            for tensor in sent:
-                broadcast(groups[0], tensor.clone())
-        for t in threads:
-            t.join(30)
-        for rank in range(1, world_size):
-            if failing:
-                assert isinstance(results[rank], WeightTransferError), (rank, results[rank])
-                assert "broadcast of 't0' was longer than its declared torch.bfloat16 [3, 4]" in str(results[rank])
-            else:
-                assert [n for n, _ in results[rank]] == ["t0", "t1"], (rank, results[rank])
-                assert all(torch.equal(got, want) for (_, got), want in zip(results[rank], sent, strict=True))
-
-
-STALLING_TRAINER = """
-    import sys, torch
-    sys.path.insert(0, sys.argv[3])
-    from sglang_trainer import broadcast_all, trainer_group
-    group = trainer_group(int(sys.argv[1]), 2, "stall", timeout_s=60)
-    broadcast_all(group, [torch.full((4,), float(i)) for i in range(int(sys.argv[2]))])
-    print("sent", flush=True)
-    sys.stdin.readline()  # and then nothing more
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sent", [0, 1])
-def test_a_receive_on_its_own_thread_ends_at_its_deadline_when_the_trainer_stalls(sent):
-    """A trainer that joined and then stops broadcasting: the receive (on a thread of its own, as the engine runs it
-    off its step) ends at its deadline, not at the group's timeout (60 s), with an error saying how many tensors
-    arrived; the group is destroyed, and its stuck broadcast ended (the thread is gone). gloo's group cannot be
-    aborted out of a waiting broadcast (its `abort()` leaves the wait, and the process then ends at its exit): each
-    broadcast waits until the deadline at most."""
-    import threading
-
-    from torpor.engine.weights.transport import open_update_group, receive_tensors
-
-    port = free_port()
-    trainer = _run_trainer(STALLING_TRAINER, str(port), str(sent), TESTS)
-    try:
-        group = open_update_group("127.0.0.1", port, 1, 2, "stall", "gloo", torch.device("cpu"), 60)
-        specs = [(f"t{i}", torch.float32, (4,)) for i in range(3)]
-        outcome = {}
-
-        def receive() -> None:
-            try:
-                outcome["tensors"] = receive_tensors(group, specs, deadline=time.monotonic() + 1.5)
-            except WeightTransferError as e:
-                outcome["error"] = e
-
-        start = time.monotonic()
-        receiving = threading.Thread(target=receive)
-        receiving.start()
-        receiving.join(30)
-        waited = time.monotonic() - start
-        assert not receiving.is_alive(), "the receive still waits"
-        assert 1.4 < waited < 10, waited
-        assert f"'stall' failed after {sent} of 3 tensors arrived" in str(outcome.get("error")), outcome
-        assert "the deadline passed: the trainer sent nothing more" in str(outcome["error"])
-        assert group.destroyed and group.group is None
-        assert trainer.stdout.readline().strip() == "sent"
-    finally:
-        _finish(trainer)
