@@ -26,6 +26,7 @@ import torch
 from server_thread import ServerThread, wait_for
 
 from torpor.engine import LLM, SamplingParams
+from torpor.engine.weights import shm
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.server import ServerConfig, build_app, weight_pipeline
@@ -153,10 +154,9 @@ def test_a_push_through_reused_buffers_maps_each_once_and_keeps_nothing_after_it
                                                                                   monkeypatch, old_weights):
     """`push` flattens the buckets into `in_flight + 2` buffers in turn: the engine maps each shared-memory file
     once per push (not once per request), keeps those mappings between requests, and lets them go with the last."""
-    opened, kept_midway = [], []
-    new_shared = torch.UntypedStorage._new_shared_filename_cpu
-    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_filename_cpu",
-                        lambda *args: (opened.append(args[1]), new_shared(*args))[1])
+    opened, kept_midway = [], []  # the engine's new mappings of a trainer's file
+    new_mapping = shm._map
+    monkeypatch.setattr(shm, "_map", lambda handle, nbytes: (opened.append(handle), new_mapping(handle, nbytes))[1])
     pusher = WeightPusher(server.url, ADMIN, bucket_bytes=8_000, in_flight=2)
     post = pusher._post
 
@@ -167,7 +167,8 @@ def test_a_push_through_reused_buffers_maps_each_once_and_keeps_nothing_after_it
     pusher._post = noting
     report = pusher.push(iter_checkpoint(new_weights_path))
     assert report.requests >= 20
-    assert len(set(opened)) <= 2 * 4 < report.requests  # 4 buffers, each grown at most once
+    assert 1 <= len(opened) <= 2 * 4 < report.requests  # 4 buffers, each grown at most once
+    assert len(set(opened)) == len(opened)  # and each mapped once
     assert max(kept_midway) >= 2 and server.llm.engine.weights.kept() == 0
     assert _served(server) == expected.new
 
@@ -431,3 +432,72 @@ def test_a_trainer_that_dies_mid_push_leaves_a_level_2_engine_not_serving(server
     assert code == 0, err
     assert server.admin.get("/health").json()["serving"]
     assert _served(server) == expected.new
+
+
+LEAVING_TRAINER = """
+    import gc, os, threading, time
+    from torpor.engine.weights.loader import iter_checkpoint
+    from torpor.rl import WeightPusher, bucket_named_tensors
+    pusher = WeightPusher({url!r}, {admin!r}, bucket_bytes={bucket}, in_flight=2)
+    named = list(iter_checkpoint({path!r}))
+    if {outcome!r} == "killed":
+        sent, post = [], pusher._post
+        pusher._post = lambda request, headers: (sent.append(1), post(request, headers))[1]
+        threading.Thread(target=pusher.push, args=(named,), daemon=True).start()
+        while len(sent) < 4:
+            time.sleep(0.001)
+        os._exit(3)  # mid-push, requests in flight, the engine keeping some of the buffers mapped
+    try:
+        if {outcome!r} == "completed":
+            print(pusher.push(named))
+        else:  # refused before any payload was opened: the weights are asleep
+            pusher.push_buckets(list(bucket_named_tensors(named, {bucket})))
+    except RuntimeError as e:
+        print("refused:", e)
+    gc.collect()
+    mine = [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{{os.getpid()}}_")]
+    print("files left", len(mine), flush=True)
+"""
+
+
+def _mapped_by_this_process(pid: int) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line.split()[-1] for line in maps if f"/dev/shm/torch_{pid}_" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outcome", ["completed", "refused", "killed"])
+def test_after_a_push_the_engine_holds_nothing_of_the_trainer(server, new_weights_path, expected, monkeypatch,
+                                                             old_weights, outcome):
+    """Whatever the push's end, nothing of the trainer's stays with the engine: no connection to its torch_shm_manager
+    (which then ends with the trainer: its output reaches its end, as `trainer 2>&1 | tail` needs), no mapping, no
+    file in /dev/shm. Before: the engine joined every trainer's manager for good (~57 MB and an fd each); the manager
+    held the trainer's output open and, with it, every file of a trainer killed mid-push (up to 4 buffers of 512 MiB
+    at the defaults) until the engine exited; a refused request's buckets stayed as long as the trainer lived."""
+    monkeypatch.setattr(weight_pipeline, "KEPT_IDLE_S", 0.5)
+    if outcome == "refused":
+        assert server.admin.post("/sleep", params={"level": 1}).status_code == 200
+    code = textwrap.dedent(LEAVING_TRAINER.format(url=server.url, admin=ADMIN, path=new_weights_path, bucket=SMALL,
+                                                  outcome=outcome))
+    trainer = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = trainer.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        alive = trainer.poll() is None
+        pytest.fail(f"the trainer's output never ended ({'still running' if alive else 'it exited'}): its "
+                    "torch_shm_manager outlived it, held open by the engine")
+    assert trainer.returncode == (3 if outcome == "killed" else 0), out
+    if outcome != "killed":
+        assert "files left 0" in out, out  # the trainer freed every bucket's file while alive
+        assert ("refused: update_weights_from_tensor failed (409)" in out) == (outcome == "refused"), out
+    wait_for(lambda: not [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{trainer.pid}_")], 30,
+             "the trainer's shared-memory files to go")
+    wait_for(lambda: not _mapped_by_this_process(trainer.pid), 30, "the engine's mappings of the trainer's files to go")
+    assert server.llm.engine.weights.kept() == 0
+    if outcome == "refused":
+        assert server.admin.post("/wake_up").status_code == 200
+        assert _served(server) == expected.old
+    elif outcome == "completed":
+        assert _served(server) == expected.new

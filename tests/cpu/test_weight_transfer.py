@@ -2,12 +2,14 @@
 payloads (SGLang's `update_weights_from_tensor`) in process and over HTTP, flattened buckets, the restricted
 unpickler against malicious pickles, checks before any write, level-2 pushes in several buckets, and the
 gloo process-group path (`init_weights_update_group` / `update_weights_from_distributed`) across real
-processes, including a group that never forms and a trainer that dies mid-update."""
+processes, including a group that never forms and a trainer that dies mid-update (how the group forms, its
+arguments, sizes and deadlines: test_weight_groups.py)."""
 
 import base64
 import io
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
 ADMIN = "admin-secret"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.join(ROOT, "tests")  # sglang_trainer.py, for trainer processes
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +169,38 @@ def test_shared_memory_names_and_sizes_are_checked():
     manager, handle, _ = real._share_filename_cpu_()
     for args, match in [((manager, b"/../../etc/passwd", 4), "not a torch shared-memory file"),
                         ((b"/tmp/x.sock", handle, 4), "torch_shm_manager"),
-                        ((manager, handle, 1 << 30), r"holds \d+ bytes, the payload claims")]:
-        with pytest.raises(RefusedPickle, match=match):
+                        ((manager, handle, 1 << 30), r"holds 16 bytes, the payload claims 1073741824")]:
+        with pytest.raises(ValueError, match=match):
             RestrictedUnpickler(pickle.dumps(FakeStorage(*args)), 1 << 40).load()
+
+
+SHRINKING = """
+    import os, torch
+    from torpor.engine.weights.payload import unpickle_payload
+    from torpor.rl import serialize
+    t = torch.ones(1 << 18)  # 1 MiB in one shared-memory file
+    kept = unpickle_payload(serialize([("x", t)]), 1 << 30)  # mapped, and kept (a push keeps its buffers mapped)
+    os.truncate("/dev/shm" + t.untyped_storage()._share_filename_cpu_()[1].decode(), 64 + 4096)
+    for _ in range(2):  # the mapping kept, then a new one
+        try:
+            unpickle_payload(serialize([("x", t)]), 1 << 30)[0][1].sum()
+            print("read")
+        except ValueError as e:
+            print("refused:", e)
+        kept = None
+"""
+
+
+@pytest.mark.slow
+def test_a_shared_memory_file_that_shrank_is_refused_not_a_crash():
+    """Reading a mapping past its file's end is SIGBUS: the engine gone. A file shorter than the payload claims is
+    refused whether this process still has it mapped (a push keeps its buffers mapped) or maps it anew."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(SHRINKING)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert result.returncode == 0, f"the engine died ({result.returncode}): {result.stderr[-1000:]}"
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all(re.search(r"refused: .* holds 4096 bytes( now)?, the payload claims 1048576", line)
+                                   for line in lines), result.stdout
 
 
 def test_flattened_bucket_round_trip_and_bad_metadata():
@@ -355,6 +387,71 @@ def test_http_rl_cycle_from_a_trainer_process(server, tiny_model_path, new_weigh
         "serialized_named_tensors": [serialize(list(iter_checkpoint(tiny_model_path))[:2])]}})
     assert rpc.status_code == 200 and rpc.json()["results"][0]["num_tensors"] == 2
     assert _served(server) == old
+
+
+HOLDING_TRAINER = """
+    import gc, os, sys, torch
+    from torpor.engine.weights.loader import iter_checkpoint
+    from torpor.rl import bucket_named_tensors, serialize
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    bucket = next(bucket_named_tensors(iter_checkpoint(sys.argv[1]), 1 << 20))  # the tiny model: one bucket
+    bucket.flattened.share_memory_()
+    manager, handle, size = bucket.flattened.untyped_storage()._share_filename_cpu_()
+    print(manager.decode(), handle.decode(), size, flush=True)  # named, never pickled: no reference added
+    for line in sys.stdin:
+        if line.strip() == "pickle":
+            print(serialize(bucket.payload()), flush=True)
+        else:
+            del bucket
+            gc.collect()
+            print(os.path.exists("/dev/shm" + handle.decode()), flush=True)
+            break
+"""
+
+
+@pytest.mark.slow
+def test_a_pickle_replayed_or_forged_never_takes_the_trainers_own_reference(server, tiny_model_path, new_weights_path):
+    """A shared-memory file's count is the trainer's own mapping plus one per pickle in transit. Before: the engine
+    took one back per payload it opened, whether a pickle had added it or not: a payload naming another process's
+    file (no pickle of it) made the engine unlink it, and a request sent twice (a client timeout, then a resend)
+    unlinked the trainer's live bucket, whose next push failed with "does not exist". Now a payload takes back a
+    reference only while more than the owner's is left: a replay is harmless, the trainer's file lives while it
+    maps it and goes when it drops it."""
+    from torch.multiprocessing import reductions
+
+    from torpor.engine.weights import shm
+
+    trainer = _run_trainer(HOLDING_TRAINER, new_weights_path)
+    try:
+        manager, handle, size = trainer.stdout.readline().split()
+        assert handle, _finish(trainer)
+
+        class Named:  # the trainer's file, named by someone else: no reference was added for the engine
+            def __reduce__(self):
+                return reductions.rebuild_storage_filename, (torch.storage.UntypedStorage, manager, handle, int(size))
+
+        forged = base64.b64encode(ForkingPickler.dumps(Named())).decode()
+        r = server.admin.post("/update_weights_from_tensor", json={"serialized_named_tensors": [forged]})
+        assert r.status_code == 400 and "list of (name, tensor) pairs" in r.text, r.text  # opened, then refused
+        assert shm.count_of(handle) == 1  # the trainer's own, untouched
+        trainer.stdin.write("pickle\n")
+        trainer.stdin.flush()
+        body = {"serialized_named_tensors": [trainer.stdout.readline().strip()], "load_format": "flattened_bucket"}
+        for attempt in range(2):  # the same request twice: a client that resent it after a timeout
+            r = server.admin.post("/update_weights_from_tensor", json=body)
+            assert r.status_code == 200, (attempt, r.text)
+            assert shm.count_of(handle) == 1
+        trainer.stdin.write("pickle\n")  # the trainer's next push of the same buffer
+        trainer.stdin.flush()
+        body["serialized_named_tensors"] = [trainer.stdout.readline().strip()]
+        r = server.admin.post("/update_weights_from_tensor", json=body)
+        assert r.status_code == 200, r.text
+        trainer.stdin.write("drop\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "False"  # the count was right: its file went with its buffer
+    finally:
+        _finish(trainer)
+    WeightPusher(server.url, ADMIN).push(iter_checkpoint(tiny_model_path))  # the old weights, for the next tests
 
 
 # ---- the process-group path (gloo) ------------------------------------------------------------------
@@ -546,7 +643,7 @@ def _trainer_group(llm, name: str, timeout: float = 30.0):
 
     port, box = free_port(), {}
     host = threading.Thread(target=lambda: box.setdefault("group", open_update_group(
-        "127.0.0.1", port, 0, 2, name, "gloo", torch.device("cpu"), timeout, is_master=True)))
+        "127.0.0.1", port, 0, 2, name, "gloo", torch.device("cpu"), timeout)))
     host.start()
     llm.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo", timeout=timeout)
     host.join(timeout)
@@ -635,18 +732,17 @@ def test_closing_the_engine_destroys_its_groups(tiny_model_path):
 
 # ---- tensor parallel: every rank joins the group, keeps its shard ---------------------------------------
 TP_TRAINER = """
-    import sys, torch
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    from sglang_trainer import broadcast_all, trainer_group
     from torpor.engine.weights.loader import iter_checkpoint
-    from torpor.engine.weights.transport import broadcast, open_update_group
     from torpor.rl import serialize
     named = list(iter_checkpoint(sys.argv[1]))
     for _ in range(4):  # shared-memory payloads: each pickle is opened once (by one rank)
         print(serialize(named), flush=True)
-    group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 3, "tp", "gloo", torch.device("cpu"), 60,
-                              is_master=True)
+    group = trainer_group(int(sys.argv[2]), 3, "tp", timeout_s=300)  # SGLang's way: the engine's ranks join as 1 and 2
     sys.stdin.readline()  # the engine asks for the tensors
-    for _, t in named:
-        broadcast(group, t)
+    broadcast_all(group, [t for _, t in named])
     print("sent", flush=True)
     sys.stdin.readline()
 """
@@ -658,7 +754,7 @@ def test_tensor_parallel_engine_takes_both_transports(tiny_model_path, new_weigh
 
     llm = LLM(tiny_model_path, tensor_parallel_size=2, **ENGINE)
     port = free_port()
-    trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port))
+    trainer = _run_trainer(TP_TRAINER, new_weights_path, str(port), TESTS)
     try:
         payloads = [trainer.stdout.readline().strip() for _ in range(4)]
         assert all(payloads), _finish(trainer)

@@ -77,17 +77,16 @@ def test_ipc_buckets_from_another_process(checkpoints):
 
 
 GROUP_TRAINER = """
-    import sys, torch
+    import os, sys, torch
+    sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
+    from sglang_trainer import broadcast_all, trainer_group
     from torpor.engine.weights.loader import iter_checkpoint
-    from torpor.engine.weights.transport import broadcast, open_update_group
     torch.cuda.set_device(1)
     named = [(n, t.to("cuda:1")) for n, t in iter_checkpoint(sys.argv[1])]
-    group = open_update_group("127.0.0.1", int(sys.argv[2]), 0, 2, "test", "nccl", torch.device("cuda:1"),
-                              is_master=True)
+    group = trainer_group(int(sys.argv[2]), 2, "test", timeout_s=120, backend="nccl")  # as SGLang's users do
     sys.stdin.readline()  # the engine asks for the tensors
     count = len(named) if sys.argv[3] == "all" else int(sys.argv[3])
-    for _, t in named[:count]:
-        broadcast(group, t)
+    broadcast_all(group, [t for _, t in named[:count]])
     torch.cuda.synchronize()
     print("sent", flush=True)
     if count < len(named):  # a trainer that dies mid-update: no clean-up, no goodbye

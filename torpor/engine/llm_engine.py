@@ -524,8 +524,9 @@ class LLMEngine:
                                         timeout: float | None = None) -> int:
         """Receive the trainer's broadcasts (every rank, on threads of their own), then copy them all. Blocks its
         caller; the server receives off its engine thread (start_receive / receive_done / apply_received)."""
-        self.weights.start_receive(names, dtypes, shapes, group_name)
-        self.weights.wait_receive(group_name, DEFAULT_GROUP_TIMEOUT_S if timeout is None else timeout)
+        timeout = DEFAULT_GROUP_TIMEOUT_S if timeout is None else timeout
+        self.weights.start_receive(names, dtypes, shapes, group_name, timeout)
+        self.weights.wait_receive(group_name, timeout + 5.0, timeout)  # the receive ends by its own deadline
         return self.weights.apply_received(names, group_name, flush_cache)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:

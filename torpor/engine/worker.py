@@ -149,9 +149,10 @@ class Worker:
     def has_update_group(self, group_name: str) -> bool:
         return self.updates.has_group(group_name)
 
-    def start_receive(self, group_name: str, names: list[str], dtypes: list, shapes: list) -> None:
+    def start_receive(self, group_name: str, names: list[str], dtypes: list, shapes: list,
+                      timeout_s: float | None = None) -> None:
         """Receive the trainer's broadcasts on a thread of this rank's own (`wait_receive` ends it)."""
-        self.updates.start_receive(group_name, specs_of(names, dtypes, shapes))
+        self.updates.start_receive(group_name, specs_of(names, dtypes, shapes), timeout_s)
 
     def wait_receive(self, group_name: str, timeout_s: float, waited_s: float | None = None) -> int:
         return self.updates.wait_receive(group_name, timeout_s, waited_s)

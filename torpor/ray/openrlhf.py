@@ -186,7 +186,7 @@ def stateless_init_process_group(master_address: str, master_port: int, rank: in
         raise ValueError(f"stateless_init_process_group: the trainer joins as rank 0, got rank {rank}")
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     return StatelessProcessGroup(open_update_group(master_address, master_port, 0, world_size, group_name, backend,
-                                                   device, timeout, is_master=True))
+                                                   device, timeout))
 
 
 def _sampling_params(value) -> SamplingParams:

@@ -44,7 +44,7 @@ class GroupBroadcaster:
         if self.group is not None:
             raise RuntimeError(f"weights update group {self.group_name!r} is open already")
         self.group = open_update_group(self.master_address, self.master_port, 0, self.world_size, self.group_name,
-                                       self.backend, self.device, self.timeout, is_master=True)
+                                       self.backend, self.device, self.timeout)
 
     def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Every tensor, in order, to every rank of the group; returns the seconds it took."""

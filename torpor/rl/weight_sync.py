@@ -31,6 +31,7 @@ import torch
 
 from torpor.engine import phase_times
 from torpor.engine.phase_times import phase
+from torpor.engine.weights.shm import settle_references
 from torpor.rl.bucket_ring import BucketRing
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -216,19 +217,24 @@ class WeightPusher:
         position = Position(uuid.uuid4().hex, keep=keep)
         pending: deque[tuple[Future, list[Bucket]]] = deque()  # answers to come, with the buckets they read
         with phase_times.collect() as timed, ThreadPoolExecutor(depth, thread_name_prefix="torpor-push") as sender:
+            unsent: list[Bucket] = []  # pickled, not sent yet
             try:
                 for group, last in self._requests(buckets):
+                    unsent = group
                     with phase("serialize"):
                         request = self._prepare(group, flush_cache=flush_cache and last)
                     with phase("wait"):
                         while len(pending) >= depth:
                             self._finish(*pending.popleft(), report)
                     pending.append((self._send(sender, request, position.next(last)), group))
+                    unsent = []
                 with phase("wait"):
                     while pending:
                         self._finish(*pending.popleft(), report)
             finally:
                 wait([answer for answer, _ in pending])  # after a failure: the engine may still read those
+                for group in [unsent, *(group for _, group in pending)]:
+                    self._settle(group)
         report.trainer_phases = {name: seconds for name, seconds in timed.items() if name != "total"}
         report.seconds = time.perf_counter() - start
         return report
@@ -279,10 +285,12 @@ class WeightPusher:
             raise RuntimeError(f"update_weights_from_tensor failed ({response.status_code}): {response.text}")
         return response.json()
 
-    @staticmethod
-    def _finish(answer: Future, buckets: list[Bucket], report: PushReport) -> None:
+    def _finish(self, answer: Future, buckets: list[Bucket], report: PushReport) -> None:
         """Wait for one request's answer (its exception, if it failed) and count it."""
-        result = answer.result()
+        try:
+            result = answer.result()
+        finally:
+            self._settle(buckets)
         report.engine_seconds += float(result.get("seconds") or 0.0)
         timings = result.get("timings") or {}
         for name, seconds in timings.items():
@@ -294,14 +302,25 @@ class WeightPusher:
         report.buckets += len(buckets)
         report.tensors += sum(len(b.metadata) for b in buckets)
 
+    def _settle(self, buckets: list[Bucket]) -> None:
+        """After a request's answer (or once it will never be sent): the shared-memory references its pickles added
+        for the engine and the engine did not take (it refused the request before opening it) go, so each bucket's
+        file goes with the bucket (`shm.settle_references`)."""
+        if self.http is None:
+            return
+        for bucket in buckets:
+            if bucket.flattened.device.type == "cpu":
+                settle_references(bucket.flattened.untyped_storage())
+
     def close(self) -> None:
         if self.http is not None:
             self.http.close()
 
 
 class DistributedPusher:
-    """The trainer's end of a weights update group: hosts the store at `master_address:master_port`, is
-    rank 0 of 1 + `engine_ranks`, and broadcasts from `device`. `url` is the engine server (admin token)."""
+    """The trainer's end of a weights update group, formed as SGLang's trainers form it (torch's `tcp://`
+    rendezvous hosted at `master_address:master_port`, torch's key naming): rank 0 of 1 + `engine_ranks`,
+    broadcasting from `device`. `url` is the engine server (admin token)."""
 
     def __init__(self, url: str, admin_token: str | None, master_address: str, master_port: int,
                  device: str | torch.device = "cpu", engine_ranks: int = 1, group_name: str = "weight_update_group",
@@ -319,8 +338,7 @@ class DistributedPusher:
             joined = pool.submit(self.http.post, "/init_weights_update_group", json=body)
             try:
                 self.group = open_update_group(master_address, master_port, 0, 1 + engine_ranks, group_name,
-                                               backend, self.device, timeout, is_master=True,
-                                               give_up=lambda: _refusal(joined))
+                                               backend, self.device, timeout, give_up=lambda: _refusal(joined))
             except BaseException as e:
                 wait([joined])  # the engine's answer says why better than the wait that ended here
                 reason = _refusal(joined)

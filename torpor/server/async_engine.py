@@ -249,8 +249,8 @@ class AsyncEngine:
         start = time.perf_counter()
         weights = self._engine.weights
         try:
-            await self._call(weights.start_receive, names, dtypes, shapes, group_name)
-            deadline = time.monotonic() + timeout
+            await self._call(weights.start_receive, names, dtypes, shapes, group_name, timeout)
+            deadline = time.monotonic() + timeout + 1.0  # the receive ends by its own deadline first
             while not await self._call(weights.receive_done, group_name):
                 if time.monotonic() > deadline:
                     await self._call(weights.wait_receive, group_name, 0.0, timeout)  # gives the group up, raises

@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from torpor.engine.weights.transport import DEFAULT_GROUP_TIMEOUT_S
 from torpor.server import weight_pipeline
@@ -50,12 +50,21 @@ class UpdateFromTensorRequest(BaseModel):
 class InitGroupRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     master_address: StrictStr
-    master_port: StrictInt
+    master_port: StrictInt | StrictStr  # SGLang's own test sends it as a string of digits
     rank_offset: StrictInt
     world_size: StrictInt
     group_name: StrictStr = DEFAULT_GROUP
     backend: StrictStr | None = None  # None: nccl on GPU, gloo on CPU
     timeout: StrictFloat | StrictInt = DEFAULT_GROUP_TIMEOUT_S  # seconds for the group to form (torpor's)
+
+    @field_validator("master_port")
+    @classmethod
+    def _port(cls, port: int | str) -> int:
+        if isinstance(port, str):
+            if not port.isdigit() or len(port) > 5:
+                raise ValueError("master_port must be a port number (an integer, or a string of digits)")
+            port = int(port)
+        return port
 
 
 class UpdateFromDistributedRequest(BaseModel):
@@ -66,6 +75,8 @@ class UpdateFromDistributedRequest(BaseModel):
     group_name: StrictStr = DEFAULT_GROUP
     flush_cache: StrictBool = True
     timeout: StrictFloat | StrictInt = DEFAULT_GROUP_TIMEOUT_S  # seconds the broadcasts may take (torpor's)
+    # SGLang's "flattened_bucket" here is one broadcast of every tensor at once: refused (one per tensor only)
+    load_format: None = None
 
 
 class DestroyGroupRequest(BaseModel):

@@ -9,18 +9,16 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import os
 import pickle
 import re
 import reprlib
-import stat
 from collections import OrderedDict
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
 from torpor.engine.phase_times import phase
+from torpor.engine.weights import shm
 
 MAX_SERIALIZED_CHARS = 64 << 20  # one rank's base64 payload (handles, not data: an 8B model is ~15 KB)
 MAX_TENSORS_PER_PAYLOAD = 100_000
@@ -60,7 +58,6 @@ class SGLangBucketMetadata:
 _SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 _TENSOR, _PARAMETER = _Class("torch.Tensor"), _Class("torch.nn.Parameter")
 _UNTYPED, _TYPED = _Class("torch.storage.UntypedStorage"), _Class("torch.storage.TypedStorage")
-_SHM_HANDLE = re.compile(r"/torch_\d+_\d+_\d+")
 _SHM_MANAGER = re.compile(r".*/torch-shm-dir-\w+/manager\.sock")
 
 
@@ -171,28 +168,23 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise RefusedPickle(f"the payload maps more than {self.max_bytes} bytes (twice the model in fp32)")
 
     def _rebuild_storage_filename(self, cls, manager, handle, size, dtype=None):
-        from torch.multiprocessing.reductions import rebuild_storage_filename
-
+        """A shared-memory file, mapped by `shm.open_shared` (never through the trainer's torch_shm_manager: the
+        manager's name is checked, never connected to)."""
         manager, handle = _text(manager), _text(handle)
         if cls not in (_UNTYPED, _TYPED) or not is_int(size) or size < 0 or \
                 (dtype is not None and not isinstance(dtype, torch.dtype)):
             raise RefusedPickle("a shared-memory storage with malformed arguments")
-        if handle is None or not _SHM_HANDLE.fullmatch(handle):
+        if handle is None or not shm.is_torch_name(handle):
             raise RefusedPickle(f"shared-memory name {reprlib.repr(handle)} is not a torch shared-memory file")
-        if manager is None or not _SHM_MANAGER.fullmatch(manager) or not _is_socket(manager):
+        if manager is None or not _SHM_MANAGER.fullmatch(manager):
             raise RefusedPickle(f"{reprlib.repr(manager)} is not a torch_shm_manager socket")
         nbytes = size * (torch._utils._element_size(dtype) if dtype is not None else 1)
-        shm = Path("/dev/shm") / handle.lstrip("/")
-        try:
-            available = shm.stat().st_size
-        except OSError:
-            raise ValueError(f"shared-memory file {handle} does not exist (the trainer freed it, or died)") from None
-        if nbytes > available:  # mapping past its end would crash this process (SIGBUS) on first touch
-            raise RefusedPickle(f"shared-memory file {handle} holds {available} bytes, the payload claims {nbytes}")
         self._count(nbytes)
-        real_cls = torch.TypedStorage if cls is _TYPED else torch.UntypedStorage
         with phase("open"):  # inside "decode": the shared-memory file mapped
-            return rebuild_storage_filename(real_cls, manager.encode(), handle.encode(), size, dtype)
+            storage = shm.open_shared(handle, nbytes)
+        if dtype is None:
+            return storage
+        return torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
     def _rebuild_typed_storage(self, storage, dtype):
         if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
@@ -297,13 +289,6 @@ def _text(value) -> str | None:
 def is_int(value) -> bool:
     """An int that is not a bool (JSON's true is no port number)."""
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_socket(path: str) -> bool:
-    try:
-        return stat.S_ISSOCK(os.stat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _check_layout(size, stride, offset) -> None:

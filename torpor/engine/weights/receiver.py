@@ -454,7 +454,8 @@ class WeightReceiver:
             self.executor.collective_rpc("destroy_update_group", (group_name,))
             raise
 
-    def start_receive(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence, group_name: str) -> None:
+    def start_receive(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence, group_name: str,
+                      timeout_s: float | None = None) -> None:
         """Every rank starts receiving the trainer's broadcasts on a thread of its own; the engine serves on the old
         weights meanwhile. Refused before the first receive (weights asleep, a name / shape / dtype the checkpoint
         does not have): the group is destroyed then too, since the trainer's broadcasts of it have no receiver."""
@@ -464,7 +465,8 @@ class WeightReceiver:
             self.manifest.check([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs])
             if group_name in self._receiving:
                 raise ValueError(f"weights update group {group_name!r} is receiving already")
-            self.executor.collective_rpc("start_receive", (group_name, list(names), list(dtypes), list(shapes)))
+            self.executor.collective_rpc("start_receive", (group_name, list(names), list(dtypes), list(shapes),
+                                                           timeout_s))
         except (ValueError, LifecycleError) as e:
             existed = self.executor.driver.has_update_group(group_name)
             self.executor.collective_rpc("drop_staged", (group_name, True))

@@ -11,6 +11,7 @@ receive may run on a thread of its own (`start_receive`) while the engine keeps 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -20,10 +21,9 @@ from torpor.engine.weights.payload import named_tensors_of, parse_dtype, unpickl
 from torpor.engine.weights.transport import (
     UpdateGroup,
     WeightTransferError,
-    _start_broadcast,
-    await_work,
     destroy_group_handle,
     open_update_group,
+    receive_tensors,
 )
 
 OPENED = "\0opened"  # the key of a per-rank payload (no group name can hold a NUL)
@@ -126,34 +126,28 @@ class RankUpdates:
             self.drop(key)
 
     # ---- receiving -------------------------------------------------------------------------------
-    def receive(self, group_name: str, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
-        """The trainer's broadcasts of `specs` (in order) into fresh tensors on this rank's device, staged under
-        `group_name`. A broadcast that fails (trainer gone, timeout) destroys the group and raises
-        WeightTransferError; nothing is written to the model here."""
+    def receive(self, group_name: str, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                deadline: float | None = None) -> int:
+        """The trainer's broadcasts of `specs` (in order) into fresh tensors on this rank's device by `deadline`
+        (transport.receive_tensors: any size mismatch, a trainer gone or silent is a WeightTransferError and the group
+        is destroyed), staged under `group_name`. Nothing is written to the model here."""
         group = self.group(group_name)
-        received, last = [], None
-        for name, dtype, shape in specs:
-            try:  # an allocation that fails leaves the group out of step with the trainer, as a failed broadcast
-                tensor = torch.empty(shape, dtype=dtype, device=group.device)
-                last = _start_broadcast(group, tensor)
-            except Exception as e:
-                self._give_up(group_name, f"failed while receiving {name!r} ({len(received)} of {len(specs)} "
-                              "received", e)
-            received.append((name, tensor))
-        try:  # gloo's works are done already (each raised its error at once)
-            if group.backend == "nccl":
-                await_work(last, group.timeout_s)
-        except Exception as e:
-            self._give_up(group_name, f"failed while receiving ({len(specs)} broadcasts started, not all arrived", e)
-        if group.device.type == "cuda":
-            torch.cuda.synchronize(group.device)  # the broadcasts ran on the group's stream; copies on another
+        try:
+            received = receive_tensors(group, specs, deadline)
+        except WeightTransferError:
+            with self._lock:  # its handle is destroyed already: forget it
+                if self._groups.get(group_name) is group:
+                    del self._groups[group_name]
+            raise
         with self._lock:
             self._staged[group_name] = received
         return len(received)
 
-    def start_receive(self, group_name: str, specs) -> None:
-        """`receive` on a thread of its own: the engine goes on serving meanwhile (`wait_receive` ends it)."""
-        self.group(group_name)  # a missing group is refused now
+    def start_receive(self, group_name: str, specs, timeout_s: float | None = None) -> None:
+        """`receive` on a thread of its own, for at most `timeout_s` (default: the group's timeout): the engine goes
+        on serving meanwhile (`wait_receive` ends it)."""
+        group = self.group(group_name)  # a missing group is refused now
+        deadline = time.monotonic() + (group.timeout_s if timeout_s is None else timeout_s)
         if group_name in self._receiving:
             raise ValueError(f"weights update group {group_name!r} is receiving already")
 
@@ -161,7 +155,7 @@ class RankUpdates:
             try:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
-                self.receive(group_name, specs)
+                self.receive(group_name, specs, deadline)
             except BaseException as e:  # handed to wait_receive
                 self._errors[group_name] = e
 
@@ -187,9 +181,8 @@ class RankUpdates:
         if thread is None:
             raise ValueError(f"weights update group {group_name!r} is not receiving")
         thread.join(timeout_s)
-        if thread.is_alive():
+        if thread.is_alive():  # the receive ends at its own deadline (a gloo broadcast waits out its timeout)
             self.destroy_group(group_name)
-            thread.join(5.0)
             self._receiving.pop(group_name, None)
             self._errors.pop(group_name, None)
             waited = timeout_s if waited_s is None else waited_s
@@ -201,12 +194,6 @@ class RankUpdates:
         if error is not None:
             raise error
         return len(self._staged.get(group_name, ()))
-
-    def _give_up(self, group_name: str, what: str, error: Exception):
-        """A receive that failed: the group is destroyed (it is out of step with the trainer), nothing written."""
-        self.destroy_group(group_name)
-        raise WeightTransferError(f"weights update group {group_name!r} {what}; nothing was written, the previous "
-                                  f"weights stay; the group is destroyed): {error}") from None
 
     # ---- payloads and the copy -------------------------------------------------------------------
     def open_payload(self, serialized: Sequence[str], load_format: str | None) -> list[str]:
