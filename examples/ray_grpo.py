@@ -83,6 +83,10 @@ class Trainer:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    def target(self) -> torch.Tensor:
+        """The task's target tokens (examples/colocated_grpo.py's, from the initial weights)."""
+        return colocated_grpo.target_set(self.model, self.args.seed)
+
     def open_group(self, master_address: str, master_port: int, world_size: int, group_name: str) -> None:
         self.group = GroupBroadcaster(master_address, master_port, world_size, group_name, device=self.device)
         self.group.open()  # returns once every replica's ranks joined
@@ -106,7 +110,7 @@ class Trainer:
             self.group.close()
 
 
-def rollout(fleet: RolloutFleet, prompts: list[list[int]], args, step: int):
+def rollout(fleet: RolloutFleet, prompts: list[list[int]], args, step: int, target: torch.Tensor):
     """n samples per prompt: (prompt, [(tokens, engine logprobs)], rewards) per prompt."""
     params = [SamplingParams(n=args.n, temperature=1.0, seed=(step * 100 + i) * args.n, max_tokens=args.max_tokens,
                              logprobs=0, ignore_eos=True) for i in range(len(prompts))]
@@ -115,7 +119,7 @@ def rollout(fleet: RolloutFleet, prompts: list[list[int]], args, step: int):
     for prompt, output in zip(prompts, outputs, strict=True):
         samples = [(list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
                    for c in output.outputs]
-        groups.append((prompt, samples, [colocated_grpo.reward(tokens) for tokens, _ in samples]))
+        groups.append((prompt, samples, [colocated_grpo.reward(tokens, target) for tokens, _ in samples]))
     return groups
 
 
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
     fleet = RolloutFleet(model_path, num_replicas=args.replicas, device=args.device, engine_kwargs=engine_kwargs)
     all_diffs: list[float] = []
     try:
-        address, vocab = ray.get([trainer.address.remote(), trainer.vocab_size.remote()])
+        address, vocab, target = ray.get([trainer.address.remote(), trainer.vocab_size.remote(),
+                                          trainer.target.remote()])
         port, world, name = free_port(), fleet.group_world_size(), "grpo"
         opened = trainer.open_group.remote(address, port, world, name)
         fleet.init_weights_update_group(address, port, 1, world, name, "nccl" if args.device == "cuda" else "gloo")
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
             generator = torch.Generator().manual_seed(args.seed * 1000 + step)
             prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()
                        for _ in range(args.prompts)]
-            groups = rollout(fleet, prompts, args, step)
+            groups = rollout(fleet, prompts, args, step, target)
             rollout_s = time.perf_counter() - t
 
             t = time.perf_counter()

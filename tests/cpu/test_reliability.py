@@ -185,7 +185,7 @@ def test_a_trainer_that_never_broadcasts_does_not_stall_inference(server, tiny_m
             assert _served(server) == expected.old  # answered on the old weights while the update waits
             assert time.monotonic() - start < 2.5 and not pending.done()
             answer = pending.result(30)
-        assert answer.status_code == 409 and "did not arrive within 3 s" in answer.text, answer.text
+        assert answer.status_code == 409 and "the deadline passed" in answer.text, answer.text
         assert _health(server)["serving"] and _served(server) == expected.old
     finally:
         trainer.kill()

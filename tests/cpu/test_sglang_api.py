@@ -296,13 +296,13 @@ def test_health_generate_and_infos(sgl, tiny_model_path):
                     "preferred_sampling_params": None, "weight_version": "default",
                     "has_image_understanding": False, "has_audio_understanding": False, "model_type": "qwen3",
                     "architectures": ["Qwen3ForCausalLM"]}
-    app.state.server.engine.weight_version = "step-7"  # the control plane sets it on weight updates
+    app.state.server.engine._engine.update_weight_version("step-7")  # an update that names one sets it
     try:
         assert http.get("/model_info").json()["weight_version"] == "step-7"
         assert generate(http, text="hi", sampling_params={"max_new_tokens": 1})["meta_info"]["weight_version"] == \
             "step-7"
     finally:
-        app.state.server.engine.weight_version = "default"
+        app.state.server.engine._engine.update_weight_version("default")
     server = http.get("/get_server_info").json()
     assert server == http.get("/server_info").json()
     assert server["model_path"] == tiny_model_path and server["served_model_name"] == MODEL

@@ -260,7 +260,8 @@ def test_step_message_to_workers_carries_only_what_they_need():
     for i in range(256):
         seq = Sequence(str(i), [rng.randrange(150_000) for _ in range(1024)], SamplingParams(logprobs=5))
         for _ in range(1024):
-            seq.append_token(rng.randrange(150_000), {rng.randrange(150_000): -rng.random() for _ in range(6)})
+            token = rng.randrange(150_000)  # the sampled token is among its logprobs, as the sampler gives them
+            seq.append_token(token, {token: -rng.random(), **{rng.randrange(150_000): -rng.random() for _ in range(5)}})
         seq.block_table = list(range(i * 128, (i + 1) * 128))  # 2048 tokens / 16 per block
         seqs.append(seq)
     whole, lean = len(pickle.dumps((seqs, False))), len(pickle.dumps((StepBatch.pack(seqs, False),)))

@@ -474,7 +474,6 @@ def test_after_a_push_the_engine_holds_nothing_of_the_trainer(server, new_weight
     file in /dev/shm. Before: the engine joined every trainer's manager for good (~57 MB and an fd each); the manager
     held the trainer's output open and, with it, every file of a trainer killed mid-push (up to 4 buffers of 512 MiB
     at the defaults) until the engine exited; a refused request's buckets stayed as long as the trainer lived."""
-    monkeypatch.setattr(weight_pipeline, "KEPT_IDLE_S", 0.5)
     if outcome == "refused":
         assert server.admin.post("/sleep", params={"level": 1}).status_code == 200
     code = textwrap.dedent(LEAVING_TRAINER.format(url=server.url, admin=ADMIN, path=new_weights_path, bucket=SMALL,

@@ -43,6 +43,7 @@ from torpor.memory import CheckpointUnsupportedError, Report
 
 logger = logging.getLogger("torpor.engine")
 DEFAULT_GROUP_TIMEOUT_S = 120.0
+DUMMY_WEIGHTS = "(the dummy weights: reload_weights() draws them again)"  # what "whole" means without a checkpoint
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,14 @@ class LLMEngine:
         self.config = self.executor.config  # with the profiled number of KV blocks
         self.model_config = model_config = driver.runner.model_config
         self.vocab_size = model_config.vocab_size
-        manifest, ignored = Manifest.of_checkpoint(config.model), driver.runner.model.is_ignored_weight
+        ignored = driver.runner.model.is_ignored_weight
+        if config.load_format == "dummy":  # no checkpoint: nothing to update by name; whole again only by a reload
+            manifest, names = Manifest({}), frozenset({DUMMY_WEIGHTS})
+        else:
+            manifest = Manifest.of_checkpoint(config.model)
+            names = weight_names(manifest, ignored)
         tags = memory.tags() if memory is not None else []
-        self.lifecycle = Lifecycle(tags, weight_names(manifest, ignored))
+        self.lifecycle = Lifecycle(tags, names)
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids, self.lifecycle)
         # (the block manager's own reset: a bound method of the engine would make a reference cycle, and a dropped
         # engine would then give its memory back only at the next garbage collection)
