@@ -232,7 +232,7 @@ def _table(title: str):
     from rich import box
     from rich.table import Table
 
-    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=0)
 
 
 def _memory_column(table, results: list[dict], name: str, value, unit: int | None = None) -> None:
