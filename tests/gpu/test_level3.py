@@ -84,21 +84,21 @@ def process_mib() -> float | None:
 def test_level3_releases_everything_and_a_full_wake_is_bit_exact(llm, requests, reference):
     awake_mib = process_mib()
     report = llm.sleep(3)
-    assert report is not None and llm.engine.context_released
+    assert report is not None and llm.engine.lifecycle.context_released
     asleep = llm.memory_usage()  # answered without a CUDA call
     assert asleep["level"] == 3 and asleep["context_released"]
     assert asleep["tags"]["weights"]["state"] == "asleep"
     if awake_mib:  # NVML lists this PID: asleep it holds nothing
         assert process_mib() == 0.0, f"asleep at level 3 the process holds {process_mib()} MiB (awake {awake_mib})"
     result = llm.wake_up()
-    assert result.serving and not llm.engine.context_released and not checkpoint.is_checkpointed()
+    assert result.serving and not llm.engine.lifecycle.context_released and not checkpoint.is_checkpointed()
     assert not differences(reference, run_round(llm, requests))
 
 
 def test_level3_wake_weights_then_kv_cache(llm, requests, reference):
     llm.sleep(3)
     first = llm.wake_up(["weights"])  # the context comes back first, then the tags
-    assert not first.serving and not llm.engine.context_released
+    assert not first.serving and not llm.engine.lifecycle.context_released
     assert llm.wake_up(["kv_cache"]).serving
     assert not differences(reference, run_round(llm, requests))
 
@@ -156,7 +156,7 @@ def test_restore_is_refused_while_the_device_lacks_the_memory(llm, requests, ref
         assert hog.stdout.readline().strip() == "full"
         with pytest.raises(CheckpointError, match="stays checkpointed"):
             llm.wake_up()
-        assert llm.engine.context_released and llm.is_sleeping()
+        assert llm.engine.lifecycle.context_released and llm.is_sleeping()
     finally:
         hog.stdin.write("\n")
         hog.stdin.flush()

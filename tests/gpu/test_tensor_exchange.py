@@ -4,7 +4,6 @@ broadcast against the expected values, inside a CUDA graph, across a release and
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
@@ -28,8 +27,15 @@ def _checks(rank: int, port: int) -> dict:
 
     device = torch.device("cuda", rank)
     store = d.rendezvous_store(port, 2, rank == 0, 60)
-    d.init_tensor_parallel(rank, 2, store, device, 60)
-    assert d._exchange is not None, "TORPOR_TP_COMM=torpor makes the exchange"
+    group = d.TPGroup.join(rank, 2, store, device, comm="torpor", timeout_s=60)
+    assert group.exchange is not None, 'comm="torpor" makes the exchange'
+    with group.active():
+        return _collectives(group, rank, device)
+
+
+def _collectives(group, rank: int, device: torch.device) -> dict:
+    from torpor.engine import distributed as d
+
     out: dict = {}
     g = torch.Generator(device=device).manual_seed(rank)
     peer = torch.Generator(device=device).manual_seed(1 - rank)
@@ -58,23 +64,21 @@ def _checks(rank: int, port: int) -> dict:
     torch.cuda.synchronize(device)
     first = buffer.clone()
     free_mapped = torch.cuda.mem_get_info(device)[0]
-    d.release_exchange()
-    torch.distributed.barrier()  # a slot's memory goes back once every rank released it
+    group.release_exchange()
+    group.all_ok(True)  # a barrier: a slot's memory goes back once every rank released it
     out["released_mib"] = (torch.cuda.mem_get_info(device)[0] - free_mapped) / 2**20
-    d.restore_exchange()
+    group.restore_exchange()
     buffer.copy_(z)
     graph.replay()
     torch.cuda.synchronize(device)
     out["graph_after_remap"] = bool(torch.equal(buffer, first))
-    d.check_exchange()
-    d.shutdown_tensor_parallel()
+    group.check_exchange()
+    assert group.shutdown(), "the group left within its timeout"
     return out
 
 
 def test_collectives_on_two_gpus_through_the_exchange_buffer():
     import torch.distributed as dist
-
-    os.environ["TORPOR_TP_COMM"] = "torpor"  # the spawned ranks read it
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)  # only to pick a free port
     port = store.port

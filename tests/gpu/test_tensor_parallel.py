@@ -1,5 +1,6 @@
 """Tensor parallelism over two GPUs (the exchange buffer's collectives, CUDA graphs capturing them; NCCL's
-with TORPOR_TP_COMM=nccl, where only the asleep bound is looser: NCCL's communicator stays).
+by default, where only the asleep bound is looser: NCCL's communicator stays; TORPOR_TEST_TP_COMM=torpor runs the
+file with `tp_comm="torpor"`, the exchange buffer).
 
 1. The tiny default model first (fast): start-up, every rank on its own device, graph capture on
    both ranks, outputs against one GPU, a short bit-exact sleep/wake harness, a clean collective close.
@@ -63,7 +64,8 @@ FLIP_GAP = 0.25
 MIN_EQUAL_FRACTION = 0.3
 GREEDY_TOKENS = 8
 # Per GPU, at levels 1 and 2 (TP=1 is +58 MiB; NCCL's communicator alone was ~1 GiB).
-ASLEEP_OVER_BARE_MAX_MIB = 64 if os.environ.get("TORPOR_TP_COMM") == "torpor" else 3072
+TP_COMM = os.environ.get("TORPOR_TEST_TP_COMM", "nccl")  # the engines' EngineConfig.tp_comm
+ASLEEP_OVER_BARE_MAX_MIB = 64 if TP_COMM == "torpor" else 3072
 TINY = dict(device="cuda:0", max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=256)
 # 64 requests of up to 256 prompt + 32 output tokens, all in one batch; a fixed KV size, the same for
 # TP=1 and TP=2, so both schedule identically (no profiling: faster, and the memory figures stay small).
@@ -162,7 +164,7 @@ def test_tiny_model_starts_on_two_gpus_matches_one_and_sleeps_exactly():
     del one
     release()
     start = time.perf_counter()
-    two = LLM(path, tensor_parallel_size=2, **TINY)
+    two = LLM(path, tensor_parallel_size=2, tp_comm=TP_COMM, **TINY)
     start_s = time.perf_counter() - start
     worker = two.engine.executor.processes[0]
     try:
@@ -216,7 +218,7 @@ def tp2(qwen3_8b, bare):
     """The TP=2 engine (CUDA graphs) and its greedy outputs, made first (before any sleep)."""
     release()
     start = time.perf_counter()
-    llm = LLM(qwen3_8b, tensor_parallel_size=2, **BIG)
+    llm = LLM(qwen3_8b, tensor_parallel_size=2, tp_comm=TP_COMM, **BIG)
     start_s = time.perf_counter() - start
     ranks = check_placement(llm)
     say(f"qwen3-8b TP=2: started in {start_s:.1f} s; " + "; ".join(
