@@ -1,6 +1,7 @@
 """The docs are a product: no session, issue or run numbers in the docs, the README or the code (history goes to
-CHANGELOG.md, figures to docs/benchmarks.md), no dated figures in code comments, and every relative link of the
-README and the docs leads to a file (and heading) that exists."""
+CHANGELOG.md, figures to docs/benchmarks.md), no dated figures in code comments, every relative link of the
+README and the docs leads to a file (and heading) that exists, and docs/code-map.md has an entry for every module
+and names no file that is gone."""
 
 import ast
 import re
@@ -20,6 +21,10 @@ REFERENCES = re.compile(
     re.IGNORECASE)
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+CODE_MAP = ROOT / "docs" / "code-map.md"
+MAP_ENTRY = re.compile(r"^- `([^`\s]+)` — ", re.MULTILINE)  # "- `engine/worker.py` — what it owns"
+BACKQUOTED = re.compile(r"`([^`\s]+)`")
+FROM_ROOT = ("scripts/", "examples/", "tests/")  # the map writes these from the repository root, the rest from torpor/
 
 
 def relative(path: Path) -> str:
@@ -82,3 +87,60 @@ def headings(path: Path) -> set[str]:
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)  # no headings inside code blocks
     return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
             for line in text.splitlines() if re.match(r"#{1,6} ", line)}
+
+
+def only_reexports(source: str) -> bool:
+    """Whether a package's `__init__.py` only re-exports (imports, `__all__`, a lazy `__getattr__` / `__dir__`):
+    such a file needs no entry of its own in the code map; one that defines anything else does."""
+    defined = [node.name for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)]
+    return set(defined) <= {"__getattr__", "__dir__"}
+
+
+def map_name(path: Path) -> str:
+    """A file as the code map names it: a module of torpor from torpor/, anything else from the repository root."""
+    torpor = ROOT / "torpor"
+    return path.relative_to(torpor).as_posix() if path.is_relative_to(torpor) else relative(path)
+
+
+def map_file(name: str) -> Path:
+    return ROOT / name if name.startswith(FROM_ROOT) else ROOT / "torpor" / name
+
+
+def needs_entry() -> list[str]:
+    """Every file the code map must have an entry for: each module of torpor but `__main__.py` and the `__init__.py`
+    files that only re-export, every file of scripts/ and examples/, and the tests' helper modules."""
+    modules = [path for path in CODE if path.name != "__main__.py"
+               and not (path.name == "__init__.py" and only_reexports(path.read_text()))]
+    others = [path for folder in ("scripts", "examples") for path in (ROOT / folder).rglob("*")
+              if path.is_file() and "__pycache__" not in path.parts]
+    return sorted(map_name(path) for path in [*modules, *others, *(ROOT / "tests").glob("*.py")])
+
+
+def named_paths(text: str) -> list[str]:
+    """The files a text names in backquotes: every `*.py`, and every name under scripts/ or examples/."""
+    return [name for name in BACKQUOTED.findall(text)
+            if name.endswith(".py") or name.startswith(("scripts/", "examples/"))]
+
+
+def test_the_code_map_rules_see_what_they_forbid():
+    text = "- `engine/worker.py` — a `Worker`, see `scripts/gpu-check`; `LLM.generate`\n  - `x.py` — no entry\n"
+    assert MAP_ENTRY.findall(text) == ["engine/worker.py"]
+    assert named_paths(text) == ["engine/worker.py", "scripts/gpu-check", "x.py"]
+    assert map_file("engine/worker.py") == ROOT / "torpor" / "engine" / "worker.py"
+    assert map_file("tests/references.py") == ROOT / "tests" / "references.py"
+    assert only_reexports('"""Doc."""\nfrom a import b\n__all__ = ["b"]\ndef __getattr__(name): ...\n')
+    assert not only_reexports('"""Doc."""\nfrom a import b\ndef make_executor(): ...\n')
+
+
+def test_code_map_has_an_entry_for_every_module():
+    entries = MAP_ENTRY.findall(CODE_MAP.read_text())
+    missing = sorted(set(needs_entry()) - set(entries))
+    twice = sorted({name for name in entries if entries.count(name) > 1})
+    assert not missing, f"docs/code-map.md has no entry (- `path` — what it does) for: {', '.join(missing)}"
+    assert not twice, f"docs/code-map.md has more than one entry for: {', '.join(twice)}"
+
+
+def test_code_map_names_no_file_that_is_gone():
+    gone = sorted({name for name in named_paths(CODE_MAP.read_text()) if not map_file(name).is_file()})
+    assert not gone, f"docs/code-map.md names files that do not exist: {', '.join(gone)}"
