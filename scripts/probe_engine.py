@@ -1,9 +1,9 @@
 """Where the device memory of a sleeping engine comes from, seen through the engine (GPU only).
 
-    python scripts/probe_engine.py --part engine|phases|throughput [--model PATH_OR_PRESET]
+    python scripts/probe_engine.py --part engine|phases|throughput [--model PRESET] [--gemm cublaslt|torch]
 
 engine: start (graphs), sleep at level 1 and try the releases a sleeping engine could still make;
-phases: memory outside every allocator after each phase of an engine's life (TORPOR_GEMM=torch compares);
+phases: memory outside every allocator after each phase of an engine's life (`--gemm torch` compares);
 throughput: bench decode's 256-request workload timed by step kind, with the cuBLASLt plans it made.
 """
 
@@ -44,19 +44,18 @@ def engine(model: str) -> None:
     print(f"  memory_stats: {torch.cuda.memory_stats().get('reserved_bytes.all.current', 0) / MiB:.1f} MiB reserved")
 
 
-def phases(model: str) -> None:
+def phases(model: str, gemm: str) -> None:
     """Device memory outside every allocator (context, libraries, kernel code) after each phase of an
     engine's life, to find which phase loads what stays while it sleeps."""
-    import os
 
     from torpor.engine import LLM, SamplingParams
 
     torch.zeros(1, device="cuda")
     torch.cuda.memory._record_memory_history(max_entries=200000)  # stacks of what lands in the default pool
     bare = used()
-    print(f"part phases ({model}), TORPOR_GEMM={os.environ.get('TORPOR_GEMM', '(unset)')}: bare context "
+    print(f"part phases ({model}), gemm={gemm}: bare context "
           f"{bare / MiB:.0f} MiB; outside allocators after each phase (MiB over bare):")
-    llm = LLM(model, device="cuda", max_model_len=512, max_num_seqs=16)
+    llm = LLM(model, device="cuda", max_model_len=512, max_num_seqs=16, gemm=gemm)
 
     def report(what: str) -> None:
         audit = llm.memory.audit()
@@ -85,11 +84,10 @@ def phases(model: str) -> None:
     live_untagged_blocks(llm)
 
 
-def throughput(model: str) -> None:
+def throughput(model: str, gemm: str) -> None:
     """`bench decode`'s 256-request workload (qwen3-0.6b), timed by step kind (prefill / decode), with the
-    cuBLASLt plans made and the seconds spent making them: to compare TORPOR_GEMM settings."""
+    cuBLASLt plans made and the seconds spent making them: to compare the `gemm` settings."""
     import argparse
-    import os
     import time
 
     from torpor.cli.bench_decode import throughput_workload
@@ -99,7 +97,7 @@ def throughput(model: str) -> None:
     args = argparse.Namespace(seed=0, prompt_lens="32,512", output_lens="32,256", num_requests=256)
     prompts, output_lens = throughput_workload(args, ModelConfig.from_pretrained(model).vocab_size)
     llm = LLM(model, device="cuda", max_model_len=max(map(len, prompts)) + max(output_lens), max_num_seqs=256,
-              gpu_memory_utilization=0.85)
+              gpu_memory_utilization=0.85, gemm=gemm)
     runner = llm.engine.executor.driver.runner
     spent = {"prefill": [0.0, 0], "decode": [0.0, 0], "plans": [0.0, 0]}
     run, make_plan = runner.run, cublaslt.CublasLt._make_plan
@@ -128,7 +126,7 @@ def throughput(model: str) -> None:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - start
-        print(f"  TORPOR_GEMM={os.environ.get('TORPOR_GEMM', '(unset)')} run {attempt}: {total:.2f} s; " + "; ".join(
+        print(f"  gemm={gemm} run {attempt}: {total:.2f} s; " + "; ".join(
             f"{name} {sec:.2f} s / {num}" for name, (sec, num) in spent.items()), flush=True)
 
 
@@ -156,6 +154,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--part", choices=("engine", "phases", "throughput"), required=True)
+    parser.add_argument("--gemm", choices=("cublaslt", "torch"), default="cublaslt", help="EngineConfig.gemm")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a GPU", file=sys.stderr)
@@ -163,7 +162,10 @@ def main() -> int:
     from torpor.cli.bench_common import resolve_model
 
     model, _ = resolve_model(args.model, "cuda")
-    {"engine": engine, "phases": phases, "throughput": throughput}[args.part](model)
+    if args.part == "engine":
+        engine(model)
+    else:
+        {"phases": phases, "throughput": throughput}[args.part](model, args.gemm)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Probe (CUDA): what waking discarded memory costs by piece size. A level-2 wake of qwen3-8b took 0.517 s
 before its reload (docs/benchmarks.md) with no byte copied: every discarded segment is mapped again in
-TORPOR_WAKE_PIECE_MIB pieces (cuMemCreate + cuMemMap + cuMemSetAccess each) and zero-filled. This maps
+pieces of `MemoryManager(wake_piece_mib=...)` (cuMemCreate + cuMemMap + cuMemSetAccess each) and zero-filled. This maps
 `--gib` GiB in pieces of each size, zero-fills it, unmaps it, and prints seconds and GB/s per piece size,
 the zero-fill apart, to choose the piece size of zero-filled restores.
 

@@ -41,7 +41,7 @@ def _recording_startup(init):
 
 
 class LLM:
-    """A paged-KV inference engine on one device.
+    """A paged-KV inference engine on one device, or split over several (tensor_parallel_size).
 
     model: a Hugging Face checkpoint folder or Hub id ("Qwen/Qwen3-0.6B", resolved through the local
     Hugging Face cache, downloaded when online; see model_path.py); None = the embedded tiny model.
