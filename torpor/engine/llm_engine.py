@@ -30,7 +30,7 @@ from torpor.engine.lifecycle import (
 )
 from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.outputs import RequestOutput
-from torpor.engine.rpc import RPCArgumentError, public_methods
+from torpor.engine.rpc import METHODS, RPCArgumentError, public_methods
 from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import FINISHED, Sequence
@@ -269,9 +269,9 @@ class LLMEngine:
         if not callable(method):
             offered = public_methods(type(self.executor.driver))
             if method not in offered:
-                raise RPCArgumentError(f"unknown collective_rpc method {method!r}; supported: the engine's operations "
-                                       f"and the Worker's {sorted(offered)} (a worker extension adds its methods: "
-                                       "worker_extension_cls)", "method")
+                raise RPCArgumentError(f"unknown collective_rpc method {method!r}; supported: the engine's "
+                                       f"{sorted(METHODS)} and the Worker's {sorted(offered)} (a worker extension "
+                                       "adds its methods: worker_extension_cls)", "method")
         try:
             results = self.executor.collective_rpc(method, tuple(args), kwargs, timeout)
         except BaseException:
@@ -571,11 +571,15 @@ class LLMEngine:
         return WakeResult(report, tuple(targets), lc.serving, time.perf_counter() - start)
 
     # ---- the weights (every write: weights/receiver.py) --------------------------------------
-    def reload_weights(self, path: str | None = None) -> None:
-        """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
+    def reload_weights(self, path: str | None = None, version: str | None = None, flush_cache: bool = True) -> None:
+        """Load the weights again from `path` (default: the model's checkpoint) into the same tensors; `version`
+        labels them once loaded; `flush_cache` False (SGLang's) keeps the prefix cache's K/V of the old weights."""
         self.weights.check_awake("reload_weights")
-        self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
-        self.weights.reload(path or self.config.model)
+        if version is not None:
+            self.weights.check_version(version)
+        if flush_cache:
+            self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
+        self.weights.reload(path or self.config.model, version, flush_cache)
 
     def update_weights(self, named_tensors, staged: bool = False) -> int:
         """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's push); any

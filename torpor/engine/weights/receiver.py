@@ -257,7 +257,7 @@ class WeightReceiver:
             self._end(update, reason)
         return True
 
-    def reload(self, path: str) -> None:
+    def reload(self, path: str, version: str | None = None, flush_cache: bool = True) -> None:
         """The checkpoint at `path` into the weights of every rank. Whole weights whose host copy is not current
         are copied to the host first, so a checkpoint that fails midway (a non-finite value is found after its
         copy) is undone; without host memory for that copy a failure leaves them not whole (never served)."""
@@ -272,7 +272,7 @@ class WeightReceiver:
             self.executor.collective_rpc("reload_weights", (path,))
             return 0
 
-        self.write(None, copy)
+        self.write(None, copy, flush_cache=flush_cache, version=version)
 
     # ---- in-process and payload updates ----------------------------------------------------------------------
     def update_weights(self, named_tensors, push: PushPosition | None = None, staged: bool = False,

@@ -173,6 +173,22 @@ class WeightTransfer:
             self.fail(f"update_weights refused: {exc}")
             raise
 
+    def nccl_done(self) -> bool:
+        """Whether every rank's receive of the nccl chunk ended (its error, if any, raised: the update fails)."""
+        try:
+            return self.receiver.receive_done(TRANSFER_GROUP)
+        except BaseException as exc:
+            self.fail(f"update_weights failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def give_up_nccl(self) -> None:
+        """The chunk's receive ran past its deadline: the group is given up, the update fails (raises)."""
+        try:
+            self.receiver.wait_receive(TRANSFER_GROUP, 0.0, self.timeout_s)
+        except BaseException as exc:
+            self.fail(f"update_weights failed: {type(exc).__name__}: {exc}")
+            raise
+
     def finish_nccl(self, chunk: Chunk, waited: bool = False) -> int:
         """An nccl chunk's receive ended on every rank (the caller polled `receiver.receive_done`, or with `waited`
         False, this waits for it): its tensors are copied as part of the update."""
