@@ -349,7 +349,8 @@ OPENRLHF_TRAINER = """
 def test_an_openrlhf_worker_extension_across_ranks_writes_through_the_engine(paths, expected):
     """OpenRLHF's shape: init_process_group then one update_weight per parameter, by collective_rpc, on both ranks
     of a tensor-parallel engine (the extension in each rank's process), the trainer broadcasting from rank 0."""
-    llm = LLM(paths.old, **ENGINE, tensor_parallel_size=2, worker_extension_cls="openrlhf_worker_wrap.WorkerWrap")
+    llm = LLM(paths.old, **ENGINE, tensor_parallel_size=2, worker_extension_cls="openrlhf_worker_wrap.WorkerWrap",
+              weight_transfer_config={"backend": "ipc"})  # for start/finish_weight_update around the calls
     try:
         assert llm.collective_rpc("report", args=("rank",)) == ["rank 0 of 2", "rank 1 of 2"]
         assert llm.collective_rpc(lambda worker, k: worker.rank * k, args=(10,)) == [0, 10]  # by value: cloudpickle
