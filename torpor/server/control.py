@@ -149,7 +149,8 @@ async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request
                                         f"{time.perf_counter() - start:.3f} s", "num_paused_requests": held}
 
 
-@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+@router.post("/get_weights_by_name", operation_id="get_weights_by_name")
+@router.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
 async def get_weights_by_name(body: WeightsByNameRequest, request: Request) -> list:
     """SGLang's: the tensor as the engine holds it, its first `truncate_size` rows (float32 values)."""
     if body.truncate_size < 0:
