@@ -25,7 +25,7 @@ from server_thread import ServerThread, wait_for
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.rl.engine_process import free_port
-from torpor.rl.vllm_transfer import ipc_update_info
+from torpor.rl.vllm_transfer import ipc_update_info, pickle_handles
 from torpor.server import ServerConfig, build_app
 from torpor.synthetic import make_model
 
@@ -326,6 +326,12 @@ def test_llm_four_phase_in_process_and_generate_waits_for_finish(paths, expected
     assert _answers(llm) == expected.new and llm.engine.weight_version == "v2"
     with pytest.raises(RuntimeError, match="no weight update is in progress"):
         llm.finish_weight_update()
+    llm.start_weight_update()  # vLLM's newest handle form: reduce_tensor's arguments alone, pickled
+    info = ipc_update_info(list(iter_checkpoint(paths.old)), pickled=False)
+    info["ipc_handles_pickled"] = pickle_handles([{"cpu": entry["cpu"][1]} for entry in info.pop("ipc_handles")])
+    llm.update_weights({"update_info": info})
+    llm.finish_weight_update()
+    assert _answers(llm) == expected.old
     off = LLM(paths.old, **ENGINE)
     with pytest.raises(ValueError, match="weight transfer is not configured"):
         off.init_weight_transfer_engine({"init_info": {}})

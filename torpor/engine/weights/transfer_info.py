@@ -246,7 +246,7 @@ def _open_one(entry, key: str, device: torch.device, unpickler: RestrictedUnpick
     if key not in entry:
         raise ValueError(f"IPC handle not found for {'GPU UUID ' if key != 'cpu' else 'device '}{key} ({what}). "
                          f"Available keys: {sorted(map(str, entry))[:8]}")
-    function, args = _function_and_args(entry[key], unpickler, what)
+    function, args = _function_and_args(entry[key], unpickler, what, device)
     args = list(args)
     if device.type == "cuda":
         if len(args) != 15:
@@ -261,19 +261,20 @@ def _open_one(entry, key: str, device: torch.device, unpickler: RestrictedUnpick
     return tensor
 
 
-def _function_and_args(handle, unpickler: RestrictedUnpickler | None, what: str):
+def _function_and_args(handle, unpickler: RestrictedUnpickler | None, what: str, device: torch.device):
     """(rebuild function, arguments) of a handle given either way. Over HTTP only the restricted unpickler's own
     (checked) rebuild functions are called; from Python (the caller's own objects, as vLLM's Ray path passes them)
     torch's."""
     from torch.multiprocessing import reductions
 
+    cuda = device.type == "cuda"  # arguments alone: rebuild_cuda_tensor's (15) on CUDA, rebuild_tensor's (3) on CPU
     if unpickler is not None:
         allowed = {(unpickler, RestrictedUnpickler._rebuild_cuda_tensor),
                    (unpickler, RestrictedUnpickler._rebuild_tensor)}
-        default = unpickler._rebuild_cuda_tensor
+        default = unpickler._rebuild_cuda_tensor if cuda else unpickler._rebuild_tensor
     else:
         allowed = {(None, reductions.rebuild_cuda_tensor), (None, reductions.rebuild_tensor)}
-        default = reductions.rebuild_cuda_tensor
+        default = reductions.rebuild_cuda_tensor if cuda else reductions.rebuild_tensor
 
     def is_allowed(function) -> bool:
         bound_to = getattr(function, "__self__", None)
