@@ -35,6 +35,12 @@ class WorkerWrap:
         self.write_weights([(name, weight)])
         del weight
 
+    def destroy_process_group(self) -> None:
+        """Leave the group (before the engine closes: its sockets go now, not at the interpreter's exit)."""
+        group, self._model_update_group = self._model_update_group, None
+        if group is not None:
+            dist.destroy_process_group(group)
+
     def report(self, prefix: str = "rank") -> str:
         """A string (collective_rpc over HTTP answers it as is)."""
         return f"{prefix} {self.rank} of {self.group.size}"

@@ -6,7 +6,10 @@ SGLang's POST /generate, GET /health_generate, /get_model_info, /get_server_info
 Control plane (needs 'Authorization: Bearer ADMIN_TOKEN'; off without --admin-token):
 POST /sleep?level=0|1|2|3|4&mode=wait|abort, POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping,
 POST /reload_weights {"path": ...}, GET /memory, POST /collective_rpc {"method": ..., "kwargs": {...}},
-POST /release_memory_occupation and /resume_memory_occupation {"tags": [...]}.
+POST /release_memory_occupation and /resume_memory_occupation {"tags": [...]}; the weight routes: SGLang's
+(/update_weights_from_tensor, ..., /update_weights_from_disk, /get_weights_by_name) and, with
+--weight-transfer-config, vLLM's four phases (/init_weight_transfer_engine, /start_weight_update, /update_weights,
+/finish_weight_update). --control-plane-auth none opens the control plane (loopback addresses only).
 Requests that arrive while the engine sleeps wait for the wake (or get 503 after --asleep-timeout).
 """
 
