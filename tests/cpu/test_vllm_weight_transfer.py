@@ -422,6 +422,8 @@ def test_update_weights_from_disk_honours_or_refuses_each_field(ipc, paths, expe
     assert _served(ipc) == expected.old
     assert post("/get_weights_by_name", json={"name": "model.nope"}).status_code == 400
     assert post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": -1}).status_code == 400
+    rows = post("/get_weights_by_name", json={"name": "model.embed_tokens.weight", "truncate_size": 1 << 30}).json()
+    assert len(rows) == dict(iter_checkpoint(paths.old))["model.embed_tokens.weight"].shape[0]  # every row
 
 
 # ---- the open control plane ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -46,6 +47,7 @@ from torpor.memory import CheckpointUnsupportedError, Report
 
 logger = logging.getLogger("torpor.engine")
 DEFAULT_GROUP_TIMEOUT_S = 120.0
+MAX_WEIGHT_VALUES = 1 << 24  # get_weights_by_name's answer, at most (a JSON list of floats)
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,10 @@ class LLMEngine:
                 raise ValueError(f"{name!r} is not held by the model (it ignores that checkpoint tensor)")
             read = tied  # SGLang answers the embedding for a tied head too
         shape = manifest.shapes[read]
+        values = min(truncate_size, shape[0] if shape else 1) * (math.prod(shape[1:]) if shape else 1)
+        if values > MAX_WEIGHT_VALUES:
+            raise ValueError(f"get_weights_by_name: the answer would hold {values} values of {name!r}, at most "
+                             f"{MAX_WEIGHT_VALUES}: lower truncate_size (it counts rows)")
         full = torch.zeros(shape, dtype=torch.float32)
         for pieces in self.executor.collective_rpc("read_weight", (read, list(shape))):
             for size, stride, offset, values in pieces:

@@ -42,7 +42,7 @@ class Worker:
     # readings below and a worker extension's own methods (`extension_methods`, set by executor.with_extension).
     # Every other method changes state the engine owns (the lifecycle, the weights, the memory) and is driven by
     # the engine's own operations, which keep their rules.
-    RPC_READINGS = frozenset({"info", "weights_clean", "has_update_group", "is_context_checkpointed", "read_weight"})
+    RPC_READINGS = frozenset({"info", "weights_clean", "has_update_group", "is_context_checkpointed"})
     extension_methods: frozenset[str] = frozenset()
 
     def __init__(self, config: EngineConfig, group: TPGroup, memory=None) -> None:
