@@ -385,6 +385,10 @@ def test_an_openrlhf_worker_extension_across_ranks_writes_through_the_engine(pat
         llm.collective_rpc("destroy_process_group")
         code, _, err = _finish(trainer)
         assert code == 0, err
+        llm.start_weight_update()  # the ipc backend on both ranks: each opens the shared-memory files itself
+        llm.update_weights({"update_info": ipc_update_info(list(iter_checkpoint(paths.old)))})
+        llm.finish_weight_update()
+        assert _answers(llm) == expected.old
     finally:
         llm.close()
 
