@@ -11,10 +11,11 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 
 
 def trainer_group(port: int, world_size: int, group_name: str, timeout_s: float = 60, backend: str = "gloo",
-                  address: str = "127.0.0.1"):
-    """Rank 0 of `group_name` at `address:port`: returns once every one of `world_size` ranks joined."""
+                  address: str = "127.0.0.1", rank: int = 0):
+    """Rank `rank` (0: the trainer) of `group_name` at `address:port`: returns once every one of `world_size` ranks
+    joined."""
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", 0, world_size, timeout=timeout))
+    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, backend_options=None, timeout=timeout)

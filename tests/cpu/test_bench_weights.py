@@ -23,3 +23,14 @@ def test_bench_weights_on_cpu(tmp_path, tiny_model_path, capsys):
     printed = capsys.readouterr().out
     for title in ("push from the trainer process", "per request: the engine's phases", "the RL step"):
         assert title in printed
+
+
+@pytest.mark.slow  # a `torpor serve` process
+def test_bench_weights_four_phase_on_cpu(tmp_path, tiny_model_path, capsys):
+    out = tmp_path / "four-phase.json"
+    assert main(["bench", "weights", "--device", "cpu", "--model", tiny_model_path, "--repeat", "1", "--bucket-mb",
+                 "0.25", "--four-phase", "--json", str(out)]) == 0
+    four = json.loads(out.read_text())["four_phase"]
+    assert four["answers_unchanged"] and four["packed_chunks"] >= 2
+    assert all(four[k]["s"] > 0 and four[k]["gbps"] > 0 for k in ("unpacked", "packed", "from_tensor"))
+    assert "vLLM's four-phase update (ipc) beside update_weights_from_tensor" in capsys.readouterr().out

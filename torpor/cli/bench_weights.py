@@ -12,7 +12,10 @@ CPU). Measured:
   `update_weights_from_tensor` with the same tensors;
 - with `--distributed` and 2 GPUs: the engine on GPU 0, the trainer on GPU 1, `update_weights_from_distributed`
   over NCCL (`torpor.rl.DistributedPusher`) against a raw NCCL broadcast of the same bytes between two other
-  processes in the same run.
+  processes in the same run;
+- with `--four-phase` (only this): vLLM's four-phase update over HTTP with the ipc backend (`torpor.rl.vllm_transfer`:
+  start, update_weights with one IPC handle per tensor, or vLLM's packed chunks of `--bucket-mb`, finish), seconds
+  and GB/s, beside `update_weights_from_tensor` pushes into the same engine, alternated round by round.
 The exit code is 1 when the answers changed after pushing the same weights back, or the NCCL part failed.
 """
 
@@ -60,6 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(alternated push by push); the pusher's default (2), else the last, drives the RL step")
     p.add_argument("--distributed", action="store_true", help="also the NCCL path, trainer on the next GPU")
     p.add_argument("--skip-in-process", action="store_true", help="skip the in-process LLM comparison")
+    p.add_argument("--four-phase", action="store_true", help="only vLLM's four-phase update (ipc backend, unpacked "
+                   "and packed) beside update_weights_from_tensor, into one engine")
     add_json_option(p)
     p.set_defaults(func=run)
 
@@ -78,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     results: dict = {"run": run_.describe(), "bytes": nbytes, "tensors": len(tensors),
                      "bucket_bytes": bucket_bytes(args)}
+    if args.four_phase:
+        results["four_phase"] = bench_four_phase(model, device, tensors, args)
+        report_four_phase(run_, results, args)
+        write_json(args.json, results)
+        return 0 if results["four_phase"]["answers_unchanged"] else 1
     results["serve"] = bench_serve(model, device, tensors, depths, args)
     if not args.skip_in_process:
         progress("in process: update_weights and update_weights_from_tensor")
@@ -167,6 +177,68 @@ def bench_serve(model: str, device: str, tensors, depths: list[int], args: argpa
             "one_request": push_figures(single), "rl_step": {k: median([s[k] for s in steps]) for k in steps[0]},
             "rl_step_push": push_figures(step_pushes), "reload_weights_s": median(reloads),
             "answers_unchanged": same}
+
+
+def bench_four_phase(model: str, device: str, tensors, args: argparse.Namespace) -> dict:
+    """vLLM's four phases over HTTP into a `torpor serve --weight-transfer-config '{"backend": "ipc"}'` engine, each
+    round: one update of every tensor's handle, one of vLLM's packed chunks, one `WeightPusher` push."""
+    import json
+
+    from torpor.rl import WeightPusher
+    from torpor.rl.engine_process import EngineProcess
+    from torpor.rl.vllm_transfer import HTTPWeightTransferClient, ipc_update_info, packed_ipc_update_infos
+
+    size = bucket_bytes(args)
+    progress("starting torpor serve (ipc weight transfer)")
+    serve = [*serve_args(device), "--weight-transfer-config", json.dumps({"backend": "ipc"})]
+    with EngineProcess(model, serve) as engine:
+        wait_for_host_reservation(engine)
+        client = HTTPWeightTransferClient(engine.url, engine.admin_token)
+        pusher = WeightPusher(engine.url, engine.admin_token, bucket_bytes=size)
+        client.init_weight_transfer_engine({})
+
+        def four_phase(packed: bool) -> tuple[float, int]:
+            sync(device)
+            start, chunks = time.perf_counter(), 0
+            client.start_weight_update()
+            infos = packed_ipc_update_infos(tensors, size) if packed else [ipc_update_info(tensors)]
+            for info in infos:  # a packed chunk's buffer is filled again only after its answer
+                client.update_weights(info)
+                chunks += 1
+            client.finish_weight_update()
+            return time.perf_counter() - start, chunks
+
+        before = greedy(engine)
+        four_phase(False), four_phase(True), pusher.push(tensors)  # warm-up
+        unpacked, packed, pushes, chunks = [], [], [], 0
+        for i in range(args.repeat):
+            progress(f"four-phase updates and pushes, round {i + 1}/{args.repeat}")
+            unpacked.append(four_phase(False)[0])
+            seconds, chunks = four_phase(True)
+            packed.append(seconds)
+            pushes.append(pusher.push(tensors).seconds)
+        same = greedy(engine) == before
+        pusher.close()
+        client.close()
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    figures = {name: {"s": median(v), "gbps": nbytes / median(v) / GB}
+               for name, v in (("unpacked", unpacked), ("packed", packed), ("from_tensor", pushes))}
+    return {**figures, "packed_chunks": chunks, "answers_unchanged": same}
+
+
+def report_four_phase(run_: Run, r: dict, args: argparse.Namespace) -> None:
+    out = console()
+    f = r["four_phase"]
+    out.print(run_.header())
+    out.print(f"the trainer's weights: {r['tensors']} tensors, {fmt_bytes(r['bytes'])}; medians of {args.repeat}")
+    rows = [["four-phase, one IPC handle per tensor (one update_weights)", fmt_s(f["unpacked"]["s"]),
+             fmt_rate(f["unpacked"]["gbps"] * GB)],
+            [f"four-phase, packed ({f['packed_chunks']} chunks of {fmt_bytes(r['bucket_bytes'])})",
+             fmt_s(f["packed"]["s"]), fmt_rate(f["packed"]["gbps"] * GB)],
+            ["update_weights_from_tensor (WeightPusher)", fmt_s(f["from_tensor"]["s"]),
+             fmt_rate(f["from_tensor"]["gbps"] * GB)],
+            ["answers after pushing the same weights", "unchanged" if f["answers_unchanged"] else "CHANGED", ""]]
+    out.print(table("vLLM's four-phase update (ipc) beside update_weights_from_tensor", ["", "seconds", "rate"], rows))
 
 
 def push_figures(reports) -> dict:

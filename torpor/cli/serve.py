@@ -6,7 +6,10 @@ SGLang's POST /generate, GET /health_generate, /get_model_info, /get_server_info
 Control plane (needs 'Authorization: Bearer ADMIN_TOKEN'; off without --admin-token):
 POST /sleep?level=0|1|2|3|4&mode=wait|abort, POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping,
 POST /reload_weights {"path": ...}, GET /memory, POST /collective_rpc {"method": ..., "kwargs": {...}},
-POST /release_memory_occupation and /resume_memory_occupation {"tags": [...]}.
+POST /release_memory_occupation and /resume_memory_occupation {"tags": [...]}; the weight routes: SGLang's
+(/update_weights_from_tensor, ..., /update_weights_from_disk, /get_weights_by_name) and, with
+--weight-transfer-config, vLLM's four phases (/init_weight_transfer_engine, /start_weight_update, /update_weights,
+/finish_weight_update). --control-plane-auth none opens the control plane (loopback addresses only).
 Requests that arrive while the engine sleeps wait for the wake (or get 503 after --asleep-timeout).
 """
 
@@ -25,7 +28,20 @@ EXIT_CODES = """exit codes:
   2  bad command-line arguments
   3  cannot listen on HOST:PORT (in use, or not an address of this machine)"""
 EXIT_ENGINE, EXIT_USAGE, EXIT_LISTEN = 1, 2, 3
-_FIELD_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+def weight_transfer_json(value: str):
+    """--weight-transfer-config's JSON as a WeightTransferConfig (vLLM's form: '{"backend": "nccl"}')."""
+    import json
+
+    from torpor.engine.config import WeightTransferConfig
+
+    try:
+        return WeightTransferConfig.of(json.loads(value))
+    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"--weight-transfer-config: {exc}") from None
+
+
+_FIELD_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
+                "WeightTransferConfig | None": weight_transfer_json}
 
 
 # EngineConfig field -> (help, other option names). Every field listed here is a flag named after it
@@ -66,6 +82,12 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "load_format": ("auto: the weights from the checkpoint; dummy: drawn on the device from --seed, no weights read "
                     "(benchmarks; the folder needs config.json and the tokenizer: torpor make-model --config-only)",
                     ()),
+    "weight_transfer_config": ("vLLM's native weight transfer (POST /init_weight_transfer_engine, "
+                               "/start_weight_update, /update_weights, /finish_weight_update): its backend as JSON, "
+                               "'{\"backend\": \"nccl\"}' (a process group to the trainer; gloo on CPU) or "
+                               "'{\"backend\": \"ipc\"}' (tensors by reference, same device)", ()),
+    "worker_extension_cls": ("vLLM's worker extension: pkg.module.Class, whose methods join every rank's Worker "
+                             "(POST /collective_rpc reaches them)", ()),
 }
 NOT_FLAGS = frozenset({"model", "num_kv_blocks"})  # the positional, the profiled
 _DEFAULT_OVERRIDES = {"max_model_len": None}  # None: LLM derives it from the model
@@ -95,6 +117,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     security.add_argument("--admin-token", default=None,
                           help="bearer token of the control plane; without one it answers 403 (env: "
                                "TORPOR_ADMIN_TOKEN, preferred: options are visible in the process list)")
+    security.add_argument("--control-plane-auth", choices=("token", "none"), default="token",
+                          help="token (default): the control plane needs the admin token; none: it is open, for "
+                               "drop-in use by clients that send no token (vLLM's, SGLang's), refused unless --host "
+                               "is a loopback address, and logged as a WARNING at start")
     security.add_argument("--api-key", default=None,
                           help="bearer token the inference endpoints require (env: TORPOR_API_KEY; default: open)")
     security.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
@@ -141,6 +167,8 @@ def add_engine_flags(group) -> None:
         options: dict = {"type": _FIELD_TYPES[field.type], "metavar": field.name.upper()}
         if field.name == "dtype":
             options = {"choices": (*DTYPE_CHOICES, *DTYPE_ALIASES)}
+        elif field.name == "weight_transfer_config":
+            options["metavar"] = "JSON"
         elif field.name == "load_format":
             options = {"choices": LOAD_FORMATS}
         shown = "" if default is None or "default:" in help_text else f" (default: {default})"
@@ -165,6 +193,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         _say(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
         return EXIT_LISTEN
+    if args.control_plane_auth == "none" and not is_loopback(sock.getsockname()[0]):
+        sock.close()
+        _say(f"error: --control-plane-auth none opens the control plane to whoever reaches {args.host}: it is "
+             "refused unless the server listens on a loopback address (--host 127.0.0.1 or ::1); elsewhere use "
+             "--admin-token")
+        return EXIT_USAGE
     llm = _load_engine(args)
     if llm is None:
         sock.close()
@@ -199,6 +233,16 @@ def _check_args(args: argparse.Namespace) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a bound address is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -258,7 +302,8 @@ def _serve(args: argparse.Namespace, llm, sock: socket.socket, admin_token: str 
                               allowed_weights_dir=args.allowed_weights_dir,
                               max_prompts_per_request=args.max_prompts_per_request,
                               tool_call_parser=args.tool_call_parser,
-                              enable_auto_tool_choice=args.enable_auto_tool_choice)
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              control_plane_auth=args.control_plane_auth)
     except ValueError as exc:
         _say(f"error: {exc}")
         llm.close()
@@ -292,8 +337,9 @@ def _run_server(args: argparse.Namespace, llm, config, sock: socket.socket) -> i
     name, admin_token, api_key = config.model_name, config.admin_token, config.api_key
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    announcement = (f"serving {name!r} on http://{url_host}:{port} (control plane: "
-                    f"{'on' if admin_token else 'off, no --admin-token'}; API key: "
+    control = "OPEN, no token (--control-plane-auth none)" if config.control_plane_auth == "none" else \
+        "on" if admin_token else "off, no --admin-token"
+    announcement = (f"serving {name!r} on http://{url_host}:{port} (control plane: {control}; API key: "
                     f"{'required' if api_key else 'none'})")
 
     class AnnouncingServer(uvicorn.Server):

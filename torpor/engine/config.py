@@ -19,6 +19,37 @@ LOAD_FORMATS = ("auto", "dummy")
 # Without an explicit budget the prefill batch holds at least this many tokens (and always a
 # whole max_model_len prompt, since prefill is not chunked).
 _DEFAULT_BATCHED_TOKENS = 16384
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")  # vLLM's backends that torpor has (sparse_nccl, ... are refused)
+_CLASS_PATH_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
+
+
+@dataclass(frozen=True)
+class WeightTransferConfig:
+    """vLLM's `WeightTransferConfig`: the backend of the four-phase weight transfer (`init_weight_transfer_engine`,
+    `start_weight_update`, `update_weights`, `finish_weight_update`). "nccl": a process group to the trainer (NCCL on
+    CUDA, gloo on CPU); "ipc": the trainer's tensors by reference (CUDA IPC handles, shared memory on CPU)."""
+
+    backend: str = "nccl"
+
+    def __post_init__(self) -> None:
+        if self.backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(f"weight_transfer_config: backend must be one of {WEIGHT_TRANSFER_BACKENDS}, got "
+                             f"{self.backend!r}")
+
+    @classmethod
+    def of(cls, value: WeightTransferConfig | dict | None) -> WeightTransferConfig | None:
+        """vLLM's forms: a WeightTransferConfig, a dict of its fields (`{"backend": "ipc"}`), or None (off). An
+        unknown field is refused by name."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"weight_transfer_config must be a dict such as {{'backend': 'ipc'}} or a "
+                             f"WeightTransferConfig, got {type(value).__name__}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"weight_transfer_config: unknown field(s) {unknown}; torpor's has only 'backend' "
+                             "(whether an update is packed is read from each update_info)")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -68,6 +99,11 @@ class EngineConfig:
     # `seed` (weights/dummy.py: benchmarks of geometries whose checkpoint is not on disk; the folder needs
     # config.json and the tokenizer). reload_weights() of the model folder draws the same values again.
     load_format: str = "auto"
+    # vLLM's native weight transfer (the four phases; weights/transfer.py): its backend, None when off.
+    weight_transfer_config: WeightTransferConfig | None = None
+    # vLLM's worker extension: "pkg.module.Class", whose methods are mixed into every rank's Worker
+    # (executor/base.py `with_extension`) and reached by collective_rpc; None: none.
+    worker_extension_cls: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -104,6 +140,13 @@ class EngineConfig:
             raise ValueError(f"load_threads must be >= 0 (0: one per core), got {self.load_threads}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.weight_transfer_config is not None and not isinstance(self.weight_transfer_config,
+                                                                          WeightTransferConfig):
+            raise ValueError("weight_transfer_config must be a WeightTransferConfig (WeightTransferConfig.of "
+                             f"makes one of a dict), got {self.weight_transfer_config!r}")
+        ext = self.worker_extension_cls
+        if ext is not None and (not isinstance(ext, str) or not _CLASS_PATH_RE.match(ext)):
+            raise ValueError(f"worker_extension_cls must be a class's dotted path 'pkg.module.Class', got {ext!r}")
         if self.block_size & (self.block_size - 1):
             # The Triton decode kernel tiles one block with tl.arange, which needs a power of two.
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

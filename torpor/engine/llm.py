@@ -12,7 +12,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from torpor.engine import phase_times, rpc
-from torpor.engine.config import DTYPE_ALIASES, EngineConfig
+from torpor.engine.config import DTYPE_ALIASES, EngineConfig, WeightTransferConfig
 from torpor.engine.generation_config import generation_defaults
 from torpor.engine.lifecycle import EngineState
 from torpor.engine.llm_engine import LLMEngine
@@ -21,6 +21,7 @@ from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.models import ModelConfig
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
+from torpor.engine.weights.transfer import request_field
 from torpor.lazy import collector_paused
 
 Prompt = str | list[int]  # or vLLM's dict prompts: {"prompt": text} / {"prompt_token_ids": [ids]}
@@ -78,6 +79,8 @@ class LLM:
         unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
         if unknown:
             raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
+        if "weight_transfer_config" in engine_options:  # vLLM's dict form too
+            engine_options["weight_transfer_config"] = WeightTransferConfig.of(engine_options["weight_transfer_config"])
         if engine_options.get("tokenizer") is not None:
             engine_options["tokenizer"] = resolve_model(engine_options["tokenizer"], "tokenizer")
         with timed_phase("cuda_init"):  # "cuda" resolves to the current device: PyTorch creates the context
@@ -205,11 +208,45 @@ class LLM:
             self._lock.notify_all()
 
     def update_weights(self, named_tensors) -> int:
-        """Copy `(hf_name, tensor)` pairs into the weights (all of them after a level-2 sleep)."""
+        """Copy `(hf_name, tensor)` pairs into the weights (all of them after a level-2 sleep). vLLM's form too: a
+        request `{"update_info": {...}}` (or an object with `update_info`) is one chunk of the four-phase update
+        (`start_weight_update` first; see `init_weight_transfer_engine`). Returns the count."""
         with self._driving():
-            count = self.engine.update_weights(named_tensors)
+            if isinstance(named_tensors, dict) or hasattr(named_tensors, "update_info"):
+                count = self.engine.update_weights_transfer(request_field(named_tensors, "update_info"))
+            else:
+                count = self.engine.update_weights(named_tensors)
             self._lock.notify_all()
             return count
+
+    # ---- vLLM's native weight transfer (engine/weights/transfer.py; docs/rl.md) -----------------
+    def init_weight_transfer_engine(self, request) -> None:
+        """`{"init_info": {...}}` (or vLLM's WeightTransferInitRequest), once, for the backend of
+        `weight_transfer_config`: "ipc" takes `{}`; "nccl" joins the trainer's group (`master_address`,
+        `master_port`, `rank_offset`, `world_size`; the trainer, rank 0, forms it meanwhile)."""
+        with self._driving():
+            self.engine.init_weight_transfer_engine(request_field(request, "init_info"))
+
+    def start_weight_update(self, include_draft: bool = False, is_checkpoint_format: bool = True) -> None:
+        """Begin one update: nothing runs until `finish_weight_update` (generate waits, as while asleep)."""
+        with self._driving():
+            self.engine.start_weight_update(include_draft, is_checkpoint_format)
+
+    def start_draft_weight_update(self) -> None:
+        """vLLM's update of a speculative-decoding draft model: this engine has none."""
+        raise ValueError("start_draft_weight_update: this engine has no draft model")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """The update commits: the new weights serve, labelled `weight_version` when given."""
+        with self._driving():
+            self.engine.finish_weight_update(weight_version)
+            self._lock.notify_all()
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's Engine.get_weights_by_name: the checkpoint tensor as the engine holds it (float32 values), its
+        first `truncate_size` rows."""
+        with self._driving():
+            return self.engine.get_weights_by_name(name, truncate_size)
 
     def memory_usage(self) -> dict:
         """Per-tag bytes and states, the sleep level, device memory in use (rank 0's device); under
@@ -259,18 +296,18 @@ class LLM:
                        timeout: float | None = None) -> list:
         """vLLM's `collective_rpc`: one result per rank. The engine's own operations by name ("sleep", "wake_up",
         "reload_weights", "update_weights", "is_sleeping", "memory_usage", the weight-update calls: see rpc.py) run
-        once and reach every rank themselves, so each entry is that result; any other name is a Worker method (a
-        worker extension's included), and a callable is called with each rank's Worker first, on every rank.
-        ValueError names an unknown method or bad arguments."""
+        once and reach every rank themselves, so each entry is that result; any other name is a Worker method that
+        the Worker offers (its readings and a worker extension's methods, `worker_extension_cls`), and a callable is
+        called with each rank's Worker first, on every rank (under tensor parallelism sent by value: cloudpickle).
+        What an extension gives `Worker.write_weights` is written through the engine's rule after the call
+        (`LLMEngine.worker_rpc`). ValueError names an unknown method or bad arguments."""
         if isinstance(method, str) and method in rpc.METHODS:
             result = rpc.call(self, method, args, kwargs)
             return [result] * self.config.tensor_parallel_size
-        if isinstance(method, str) and not callable(getattr(self.engine.executor.driver, method, None)):
-            raise rpc.RPCArgumentError(f"unknown collective_rpc method {method!r}; supported: the engine's "
-                                       f"{sorted(rpc.METHODS)} and the Worker's methods (a worker extension adds "
-                                       "some: worker_extension_cls)", "method")
         with self._driving():
-            return self.engine.collective_rpc(method, tuple(args), kwargs, timeout)
+            results = self.engine.worker_rpc(method, tuple(args), kwargs, timeout)
+            self._lock.notify_all()
+            return results
 
     def _for_python(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
         """`output` with `{id: Logprob}` logprobs (vLLM's shape) when any were asked for."""

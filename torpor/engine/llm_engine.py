@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -30,12 +31,15 @@ from torpor.engine.lifecycle import (
 )
 from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.outputs import RequestOutput
+from torpor.engine.rpc import METHODS, RPCArgumentError, public_methods
 from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
 from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import FINISHED, Sequence
 from torpor.engine.tokenizer import OutputText, Tokenizer
 from torpor.engine.weights.manifest import Manifest
 from torpor.engine.weights.receiver import PushPosition, WeightReceiver, weight_names
+from torpor.engine.weights.transfer import WeightTransfer
+from torpor.engine.weights.updates import EXTENSION
 from torpor.engine.worker import Worker
 from torpor.lazy import collector_paused
 from torpor.memory import CheckpointError as ContextCheckpointError
@@ -44,6 +48,7 @@ from torpor.memory import CheckpointUnsupportedError, Report
 logger = logging.getLogger("torpor.engine")
 DEFAULT_GROUP_TIMEOUT_S = 120.0
 DUMMY_WEIGHTS = "(the dummy weights: reload_weights() draws them again)"  # what "whole" means without a checkpoint
+MAX_WEIGHT_VALUES = 1 << 24  # get_weights_by_name's answer, at most (a JSON list of floats)
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class LLMEngine:
         # engine would then give its memory back only at the next garbage collection)
         self.weights = WeightReceiver(self.executor, self.lifecycle, manifest, ignored,
                                       self.scheduler.block_manager.reset_prefix_cache)
+        self.transfer = WeightTransfer(self.config.weight_transfer_config, self.weights, self.executor)
         self._pending: list[RequestOutput] = []  # produced outside `step` (drained or aborted by a sleep)
         self._requests: dict[str, _Request] = {}
         self._request_ids = itertools.count()
@@ -261,6 +267,80 @@ class LLMEngine:
         """A Worker method (by name, worker extensions' included) or a function of the Worker, on every rank; one
         result per rank."""
         return self.executor.collective_rpc(method, tuple(args), kwargs, timeout)
+
+    def worker_rpc(self, method, args: tuple = (), kwargs: dict | None = None, timeout: float | None = None) -> list:
+        """vLLM's collective_rpc from outside the engine (LLM.collective_rpc, POST /collective_rpc): a callable of
+        the Worker, or a method name the Worker offers (its readings, a worker extension's methods; the rest are the
+        engine's own operations), on every rank; one result per rank. What the call gave `Worker.write_weights` on
+        every rank is then written through the WeightReceiver, as one update (or as part of the four-phase update
+        in progress), or not at all."""
+        if not callable(method):
+            offered = public_methods(type(self.executor.driver))
+            if method not in offered:
+                raise RPCArgumentError(f"unknown collective_rpc method {method!r}; supported: the engine's "
+                                       f"{sorted(METHODS)} and the Worker's {sorted(offered)} (a worker extension "
+                                       "adds its methods: worker_extension_cls)", "method")
+        try:
+            results = self.executor.collective_rpc(method, tuple(args), kwargs, timeout)
+        except BaseException:
+            self.executor.collective_rpc("drop_staged", (EXTENSION,))
+            raise
+        self._write_extension_weights()
+        return results
+
+    def _write_extension_weights(self) -> None:
+        """What a worker extension gave `Worker.write_weights` in the call that just ended, written on every rank."""
+        names = self.executor.collective_rpc("staged_names", (EXTENSION,))
+        if not any(names):
+            return
+        if any(n != names[0] for n in names):
+            self.executor.collective_rpc("drop_staged", (EXTENSION,))
+            counts = [len(n) for n in names]
+            raise ValueError(f"the worker extension gave the ranks different weights to write ({counts} tensors by "
+                             "rank): nothing was written")
+        push = self.transfer.next_push()
+        self.weights.apply_opened(names[0], EXTENSION, push, flush_cache=push is None)
+
+    # ---- vLLM's native weight transfer (weights/transfer.py) ---------------------------------
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.transfer.init(init_info)
+
+    def start_weight_update(self, include_draft: bool = False, is_checkpoint_format: bool = True) -> None:
+        self.transfer.start(include_draft, is_checkpoint_format)
+
+    def update_weights_transfer(self, update_info: dict) -> int:
+        """One chunk of the four-phase update (vLLM's update_weights), blocking until it is received and copied."""
+        return self.transfer.update(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.transfer.finish(weight_version)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's get_weights_by_name: the checkpoint tensor `name` as the engine holds it now (gathered from
+        every rank), as float32 values, its first `truncate_size` rows (`tensor.tolist()[:truncate_size]`)."""
+        if not isinstance(name, str) or not isinstance(truncate_size, int) or isinstance(truncate_size, bool) \
+                or truncate_size < 0:
+            raise ValueError("get_weights_by_name takes a tensor name and a truncate_size >= 0")
+        self.weights.check_awake("get_weights_by_name")
+        manifest, model = self.weights.manifest, self.executor.driver.runner.model
+        read = name
+        if name not in manifest.shapes:
+            raise ValueError(f"unknown tensor {name!r} (not in the model's checkpoint)")
+        if model.is_ignored_weight(name):
+            tied = "model.embed_tokens.weight"
+            if name != "lm_head.weight" or tied not in manifest.shapes:
+                raise ValueError(f"{name!r} is not held by the model (it ignores that checkpoint tensor)")
+            read = tied  # SGLang answers the embedding for a tied head too
+        shape = manifest.shapes[read]
+        values = min(truncate_size, shape[0] if shape else 1) * (math.prod(shape[1:]) if shape else 1)
+        if values > MAX_WEIGHT_VALUES:
+            raise ValueError(f"get_weights_by_name: the answer would hold {values} values of {name!r}, at most "
+                             f"{MAX_WEIGHT_VALUES}: lower truncate_size (it counts rows)")
+        full = torch.zeros(shape, dtype=torch.float32)
+        for pieces in self.executor.collective_rpc("read_weight", (read, list(shape))):
+            for size, stride, offset, values in pieces:
+                full.as_strided(size, stride, offset).copy_(values)
+        return full[:truncate_size].tolist()
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -503,11 +583,15 @@ class LLMEngine:
         return WakeResult(report, tuple(targets), lc.serving, time.perf_counter() - start)
 
     # ---- the weights (every write: weights/receiver.py) --------------------------------------
-    def reload_weights(self, path: str | None = None) -> None:
-        """Load the weights again from `path` (default: the model's checkpoint) into the same tensors."""
+    def reload_weights(self, path: str | None = None, version: str | None = None, flush_cache: bool = True) -> None:
+        """Load the weights again from `path` (default: the model's checkpoint) into the same tensors; `version`
+        labels them once loaded; `flush_cache` False (SGLang's) keeps the prefix cache's K/V of the old weights."""
         self.weights.check_awake("reload_weights")
-        self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
-        self.weights.reload(path or self.config.model)
+        if version is not None:
+            self.weights.check_version(version)
+        if flush_cache:
+            self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
+        self.weights.reload(path or self.config.model, version, flush_cache)
 
     def update_weights(self, named_tensors, staged: bool = False) -> int:
         """Copy new weights, named as in the Hugging Face checkpoint, into the model (an RL trainer's push); any

@@ -66,6 +66,12 @@ METHODS: dict[str, Callable] = {f.__name__[1:]: f for f in (
     _init_weights_update_group, _update_weights_from_distributed, _destroy_weights_update_group)}
 
 
+def public_methods(worker_cls) -> frozenset[str]:
+    """The Worker methods collective_rpc offers by name from outside the engine: its readings and a worker
+    extension's methods (`Worker.RPC_READINGS`, `extension_methods`)."""
+    return worker_cls.RPC_READINGS | worker_cls.extension_methods
+
+
 class RPCArgumentError(ValueError):
     """A collective_rpc call refused before it runs; `param` names the part at fault ("method", "args",
     "args.N", "kwargs" or "kwargs.NAME")."""

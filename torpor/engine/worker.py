@@ -22,12 +22,28 @@ from torpor.engine.model_runner import ModelRunner
 from torpor.engine.sampler import SamplerOutput
 from torpor.engine.sequence import Sequence
 from torpor.engine.step_batch import StepBatch
-from torpor.engine.weights.updates import OPENED, RankUpdates, release_transfer_memory, specs_of
+from torpor.engine.weights.loader import read_weight
+from torpor.engine.weights.transfer_info import IPCUpdateInfo, open_ipc
+from torpor.engine.weights.updates import (
+    EXTENSION,
+    OPENED,
+    TRANSFER,
+    RankUpdates,
+    release_transfer_memory,
+    specs_of,
+)
 from torpor.memory import device_used_bytes
 
 
 class Worker:
     """`memory`: this rank's MemoryManager (None: no sleep mode)."""
+
+    # What `collective_rpc` offers from outside the engine (LLM.collective_rpc, POST /collective_rpc): the
+    # readings below and a worker extension's own methods (`extension_methods`, set by executor.with_extension).
+    # Every other method changes state the engine owns (the lifecycle, the weights, the memory) and is driven by
+    # the engine's own operations, which keep their rules.
+    RPC_READINGS = frozenset({"info", "weights_clean", "has_update_group", "is_context_checkpointed"})
+    extension_methods: frozenset[str] = frozenset()
 
     def __init__(self, config: EngineConfig, group: TPGroup, memory=None) -> None:
         self.group, self.memory = group, memory
@@ -150,9 +166,10 @@ class Worker:
         return self.updates.has_group(group_name)
 
     def start_receive(self, group_name: str, names: list[str], dtypes: list, shapes: list,
-                      timeout_s: float | None = None) -> None:
-        """Receive the trainer's broadcasts on a thread of this rank's own (`wait_receive` ends it)."""
-        self.updates.start_receive(group_name, specs_of(names, dtypes, shapes), timeout_s)
+                      timeout_s: float | None = None, packed_bytes: int | None = None) -> None:
+        """Receive the trainer's broadcasts on a thread of this rank's own (`wait_receive` ends it); `packed_bytes`:
+        vLLM's packed broadcast."""
+        self.updates.start_receive(group_name, specs_of(names, dtypes, shapes), timeout_s, packed_bytes)
 
     def wait_receive(self, group_name: str, timeout_s: float, waited_s: float | None = None) -> int:
         return self.updates.wait_receive(group_name, timeout_s, waited_s)
@@ -173,6 +190,33 @@ class Worker:
             return count
         finally:
             release_transfer_memory(tensors)
+
+    # ---- what a worker extension writes ----------------------------------------------------------------
+    def write_weights(self, named_tensors) -> list[str]:
+        """The weights a worker extension received, for the engine to write: an extension method calls this where
+        vLLM's calls `self.model_runner.model.load_weights(weights=...)`. The Hugging Face-named tensors are checked
+        against the checkpoint (names, shapes, dtypes) and kept on this rank; once the `collective_rpc` call returns
+        on every rank, the engine writes what every rank kept through its WeightReceiver, as one update (with the
+        other tensors of a four-phase update in progress, if one is: served only after finish_weight_update), or
+        nothing if any rank failed or the ranks disagree. The tensors must stay valid until the call returns
+        (fresh ones, or the trainer's memory it keeps alive). Returns the names kept so far in this call."""
+        return self.updates.stage(EXTENSION, [(name, tensor) for name, tensor in named_tensors], extend=True)
+
+    def staged_names(self, key: str) -> list[str]:
+        return self.updates.staged_names(key)
+
+    # ---- vLLM's four-phase update (weights/transfer.py) -----------------------------------------------
+    def open_transfer(self, info: IPCUpdateInfo) -> list[str]:
+        """This rank's tensors of an IPC chunk opened (its GPU's handles, or shared memory on CPU), checked, and
+        kept for the copy (`apply_staged(TRANSFER)`); the names."""
+        pairs = open_ipc(info, self.device, self.updates.manifest.max_bytes)
+        return self.updates.stage(TRANSFER, pairs)
+
+    def read_weight(self, name: str, shape: list[int]) -> list:
+        """What this rank holds of the checkpoint tensor `name` (SGLang's get_weights_by_name): (shape, stride,
+        offset) of each piece in the full tensor, with the piece's values (float32, on the host)."""
+        with self.group.active():
+            return read_weight(self.runner.model, name, tuple(shape))
 
     def drop_staged(self, key: str = OPENED, destroy_group: bool = False) -> None:
         self.updates.drop(key, destroy_group)

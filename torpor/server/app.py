@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 
 from torpor.engine.llm_engine import LLMEngine
-from torpor.server import control, openai_api, sglang_api, tokenize_api, weights_api
+from torpor.server import control, openai_api, sglang_api, tokenize_api, vllm_api, weights_api
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.auth import require_api_key
 from torpor.server.config import ServerConfig
@@ -20,6 +21,8 @@ from torpor.server.middleware import BodyLimit, CountRequests
 from torpor.server.openapi import openapi_schema
 from torpor.server.prompts import Prompts
 from torpor.server.state import ServerState
+
+logger = logging.getLogger("torpor.server")
 
 # Who may call what. Public: /health, /is_sleeping. Behind the API key when one is set: /v1/*,
 # /metrics (Prometheus scrapers send a bearer token), /openapi.json, /docs, /redoc. Behind the admin
@@ -35,6 +38,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if config.control_plane_auth == "none":
+            logger.warning("the control plane is OPEN (control_plane_auth 'none'): anyone who reaches this server can "
+                           "sleep it, reload and replace its weights, and call its workers' methods; serve it on a "
+                           "loopback address only")
         server.engine.start()
         try:
             yield
@@ -43,6 +50,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             prompts.close()
             if server.weights is not None:
                 server.weights.close()
+            if server.transfer_timer is not None:
+                server.transfer_timer.cancel()
 
     app = FastAPI(title="torpor", summary="OpenAI-compatible server with a sleep/wake control plane",
                   lifespan=lifespan, default_response_class=SafeJSONResponse, openapi_url=None, docs_url=None,
@@ -58,6 +67,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.include_router(control.router)
     app.include_router(tokenize_api.router)
     app.include_router(weights_api.router)
+    app.include_router(vllm_api.router)
 
     @app.get("/health")
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
@@ -79,7 +89,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     _add_docs(app)
     routers = (openai_api.router, sglang_api.router, sglang_api.public_router, control.public_router, control.router,
-               tokenize_api.router, weights_api.router)
+               tokenize_api.router, weights_api.router, vllm_api.router)
     routes = {"/health", "/metrics", "/openapi.json", "/docs", "/redoc",
               *(r.path for router in routers for r in router.routes)}
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

@@ -262,6 +262,93 @@ class AsyncEngine:
         logger.info("update_weights_from_distributed %s: %.3f s", what, time.perf_counter() - start)
         return count
 
+    # ---- vLLM's native weight transfer (engine/weights/transfer.py) ------------------------------------
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """The nccl backend's rendezvous waits for the trainer: at TP=1 off the engine thread (requests go on)."""
+        if self.config.tensor_parallel_size == 1:
+            start = time.perf_counter()
+            try:
+                await asyncio.to_thread(self._engine.init_weight_transfer_engine, init_info)
+            except Exception as exc:
+                _log_failure("init_weight_transfer_engine", "", exc)
+                raise
+            logger.info("init_weight_transfer_engine: %.3f s", time.perf_counter() - start)
+            return
+        await self._control("init_weight_transfer_engine", "", self._engine.init_weight_transfer_engine, init_info)
+
+    async def start_weight_update(self, include_draft: bool, is_checkpoint_format: bool) -> str:
+        """The id of the update begun (the server gives it up after push_idle_timeout_s without a call)."""
+        transfer = self._engine.transfer
+
+        def start() -> str:
+            transfer.start(include_draft, is_checkpoint_format)
+            return transfer.update_id
+
+        return await self._control("start_weight_update", "", start)
+
+    async def update_weights_transfer(self, update_info: dict) -> int:
+        """One chunk. ipc: opened, checked and copied on the engine thread. nccl: every rank receives on a thread of
+        its own while the trainer broadcasts (the engine thread stays free; nothing is served meanwhile: the update
+        is in progress), then the copy runs on the engine thread."""
+        transfer, start = self._engine.transfer, time.perf_counter()
+        try:
+            chunk = await self._call(transfer.chunk, update_info)
+            what = f"{len(chunk.names)} tensors ({transfer.backend})"
+            if transfer.backend == "ipc":
+                count = await self._call(transfer.apply_ipc, chunk)
+            else:
+                await self._call(transfer.start_nccl, chunk)
+                deadline = time.monotonic() + transfer.timeout_s + 1.0  # the receive ends by its own deadline first
+                while not await self._call(transfer.nccl_done):
+                    if time.monotonic() > deadline:
+                        await self._call(transfer.give_up_nccl)
+                    await asyncio.sleep(RECEIVE_POLL_S)
+                count = await self._call(transfer.finish_nccl, chunk, True)
+        except Exception as exc:
+            _log_failure("update_weights", "(a chunk of the four-phase update)", exc)
+            raise
+        logger.info("update_weights %s: %.3f s", what, time.perf_counter() - start)
+        return count
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        return await self._control("finish_weight_update", repr(weight_version), self._engine.finish_weight_update,
+                                   weight_version)
+
+    def abandon_transfer(self, update_id: str, reason: str) -> None:
+        """Engine thread: the server's idle timeout ends the four-phase update `update_id` if it still runs."""
+        if self._engine.transfer.abandon(update_id, reason):
+            logger.warning("weight update %s abandoned: %s", update_id, reason)
+
+    def transfer_in_progress(self, update_id: str) -> bool:
+        """Any thread (a read): whether `update_id` is still the update in progress."""
+        return self._engine.weights.in_progress(update_id)
+
+    async def worker_rpc(self, method: str, args: tuple, kwargs: dict | None, timeout: float | None) -> list:
+        return await self._control("collective_rpc", method, self._engine.worker_rpc, method, args, kwargs, timeout)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+        return await self._call(self._engine.get_weights_by_name, name, truncate_size)
+
+    async def update_weights_from_disk(self, path: str, version: str | None, abort_all: bool, flush_cache: bool,
+                                       empty_cache: bool) -> int:
+        """SGLang's reload: the requests in the engine are aborted first (`abort_all`) or held while it loads; their
+        count (SGLang's num_paused_requests)."""
+        return await self._control("update_weights_from_disk", path, self._from_disk, path, version, abort_all,
+                                   flush_cache, empty_cache)
+
+    def _from_disk(self, path: str, version: str | None, abort_all: bool, flush_cache: bool,
+                   empty_cache: bool) -> int:
+        engine = self._engine
+        if abort_all:
+            engine.abort_requests(None)
+            self._step()  # hands out the aborted outputs now (nothing is left to run)
+        state = engine.state()
+        held = state.num_running + state.num_waiting
+        engine.reload_weights(path, version, flush_cache)
+        if empty_cache and engine.executor.driver.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return held
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
         return await self._control("destroy_weights_update_group", repr(group_name),
                                    self._engine.destroy_weights_update_group, group_name)

@@ -34,7 +34,10 @@ async def require_api_key(request: Request) -> None:
 
 
 async def require_admin(request: Request) -> None:
-    expected = request.app.state.server.config.admin_token
+    config = request.app.state.server.config
+    if config.control_plane_auth == "none":  # opted in: open (a loopback server; logged at start)
+        return
+    expected = config.admin_token
     if expected is None:
         raise APIError(403, CONTROL_OFF, code="control_plane_disabled")
     given = bearer_token(request)

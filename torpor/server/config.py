@@ -14,6 +14,9 @@ MiB = 1 << 20
 class ServerConfig:
     """model_name: the id `/v1/models` lists and requests must name (or omit).
     admin_token: bearer token of the control plane (sleep, wake, reload, memory); None turns it off.
+    control_plane_auth: "token" (the default): the control plane needs `admin_token`; "none": it is open to anyone
+        who reaches the server (drop-in use by clients that send no token: vLLM's and SGLang's own), for a server
+        on a loopback address only (`torpor serve` refuses it elsewhere), logged as a WARNING at start.
     api_key: bearer token the inference endpoints require; None leaves them open.
     max_body_bytes: larger request bodies get 413.
     max_tokens_cap: larger `max_tokens` get 400 (None: the engine's max_model_len).
@@ -40,6 +43,7 @@ class ServerConfig:
     max_prompts_per_request: int = 1024
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    control_plane_auth: str = "token"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -66,6 +70,11 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if not isinstance(self.enable_auto_tool_choice, bool):
             raise ValueError(f"enable_auto_tool_choice must be a bool, got {self.enable_auto_tool_choice!r}")
+        if self.control_plane_auth not in ("token", "none"):
+            raise ValueError(f"control_plane_auth must be 'token' or 'none', got {self.control_plane_auth!r}")
+        if self.control_plane_auth == "none" and self.admin_token is not None:
+            raise ValueError("control_plane_auth 'none' opens the control plane, and an admin token was given too "
+                             "(--admin-token or TORPOR_ADMIN_TOKEN): choose one")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM: --enable-auto-tool-choice "
                              "requires --tool-call-parser)")

@@ -11,6 +11,11 @@ the engine (`torpor.engine.lifecycle`); their errors are 400s naming the paramet
 the served model's parent folder), compared after resolving symlinks: a path outside is a 403, and a path inside
 that holds no loadable checkpoint gets one generic 400 whether or not it exists.
 
+SGLang's `POST /update_weights_from_disk {"model_path", ...}` (its `UpdateWeightFromDiskReqInput`, every field honoured
+or refused by name) is such a reload, answered `{"success": true, "message", "num_paused_requests"}`; its
+`GET|POST /get_weights_by_name {"name", "truncate_size": 100}` answers the tensor as the engine holds it,
+`tensor.float().tolist()[:truncate_size]` (its first rows), what SGLang's tests compare after an update.
+
 SGLang's memory-occupation tags are engine tags of the same name: `weights` (offloaded: a host copy is kept, as
 SGLang's `enable_weights_cpu_backup`), `kv_cache` (discarded), `cuda_graph` (offloaded); the engine's own `runtime`
 and `workspace` tags may be named too. `release_memory_occupation` with `tags` releases only those (each with its
@@ -21,17 +26,19 @@ restores runtime, workspace and cuda_graph), or everything.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from torpor.engine import rpc
 from torpor.engine.lifecycle import SLEEP_TAGS, check_level, check_mode, check_tags
 from torpor.engine.weights.index import INDEX_FILE, SINGLE_FILE, CheckpointError, checkpoint_files
 from torpor.server.auth import require_admin
-from torpor.server.errors import APIError, engine_call, engine_error, is_safetensors_error
+from torpor.server.errors import APIError, SafeJSONResponse, engine_call, engine_error, is_safetensors_error, json_text
 from torpor.server.protocol import invalid_unicode
 
 if TYPE_CHECKING:
@@ -60,6 +67,39 @@ class RPCRequest(BaseModel):
     method: StrictStr
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: StrictFloat | StrictInt | None = None  # vLLM's: seconds each rank may take (tensor parallel)
+
+
+class UpdateFromDiskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # SGLang's fields: each honoured or refused by name
+    model_path: StrictStr
+    load_format: StrictStr | None = None
+    abort_all_requests: StrictBool = False
+    weight_version: StrictStr | None = None
+    is_async: StrictBool = False
+    torch_empty_cache: StrictBool = False
+    keep_pause: StrictBool = False
+    recapture_cuda_graph: StrictBool = False  # the graphs read the weights in place: they see the new ones
+    token_step: StrictInt = 0
+    flush_cache: StrictBool = True
+    manifest: dict[str, Any] | None = None
+    rid: StrictStr | None = None  # SGLang's BaseReq: one server, nothing to route
+
+
+class WeightsByNameRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+    truncate_size: StrictInt = 100
+    rid: StrictStr | None = None
+
+
+# What torpor does not do of SGLang's reload, refused by name when asked for: (field, its default, why).
+_DISK_REFUSED = (
+    ("is_async", False, "the reload answers once the new weights serve"),
+    ("keep_pause", False, "the reload pauses nothing: requests wait while it loads, then run"),
+    ("token_step", 0, "torpor labels weights with weight_version only"),
+    ("manifest", None, "the checkpoint's own safetensors headers are its manifest"),
+)
 
 
 @router.post("/sleep")
@@ -89,6 +129,35 @@ async def reload_weights(request: Request, body: ReloadRequest | None = None) ->
     return await _reload(request.app.state.server, body.path if body else None)
 
 
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request) -> dict:
+    """SGLang's reload from a checkpoint folder (inside the allowed weights directory)."""
+    server: ServerState = request.app.state.server
+    if body.load_format not in (None, "auto"):
+        raise APIError(400, f"load_format {body.load_format!r} is not supported (null or 'auto': the folder's "
+                            "safetensors)", param="load_format", code="unsupported_parameter")
+    for name, default, why in _DISK_REFUSED:
+        if getattr(body, name) != default:
+            raise APIError(400, f"{name}={getattr(body, name)!r} is not supported: {why}", param=name,
+                           code="unsupported_parameter")
+    path = allowed_checkpoint_path(body.model_path, server.allowed_weights_dir)
+    start = time.perf_counter()
+    held = await _loading(server.engine.update_weights_from_disk(path, body.weight_version, body.abort_all_requests,
+                                                                 body.flush_cache, body.torch_empty_cache), server,
+                          "model_path")
+    return {"success": True, "message": f"Succeeded to update model weights from {body.model_path} in "
+                                        f"{time.perf_counter() - start:.3f} s", "num_paused_requests": held}
+
+
+@router.post("/get_weights_by_name", operation_id="get_weights_by_name")
+@router.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
+async def get_weights_by_name(body: WeightsByNameRequest, request: Request) -> list:
+    """SGLang's: the tensor as the engine holds it, its first `truncate_size` rows (float32 values)."""
+    if body.truncate_size < 0:
+        raise APIError(400, "truncate_size must be >= 0", param="truncate_size")
+    return await engine_call(request.app.state.server.engine.get_weights_by_name(body.name, body.truncate_size))
+
+
 @router.get("/memory")
 async def memory(request: Request) -> dict:
     server: ServerState = request.app.state.server
@@ -96,14 +165,27 @@ async def memory(request: Request) -> dict:
 
 
 @router.post("/collective_rpc")
-async def collective_rpc(body: RPCRequest, request: Request) -> dict:
-    """vLLM's form: {"method": name, "args": [...], "kwargs": {...}}; one result per rank. The engine's methods and
-    their arguments: sleep(level: int = 1, mode: str = "wait"), wake_up(tags: list[str] | None = None),
-    reload_weights(path: str | None = None), is_sleeping(), memory_usage(), and the weight-update calls."""
+async def collective_rpc(body: RPCRequest, request: Request) -> Response:
+    """vLLM's form: {"method": name, "args": [...], "kwargs": {...}, "timeout": seconds}; one result per rank,
+    `{"results": [...]}`. The engine's methods and their arguments: sleep(level: int = 1, mode: str = "wait"),
+    wake_up(tags: list[str] | None = None), reload_weights(path: str | None = None), is_sleeping(),
+    memory_usage(), and the weight-update calls; any other name is a Worker method the Worker offers (its readings, a
+    worker extension's methods), called with the JSON values as they come, as vLLM does, its results as vLLM
+    answers them (null, objects and lists as they are, anything else as its str())."""
     server: ServerState = request.app.state.server
     from torpor.server.weights_api import RPC_METHODS as WEIGHT_METHODS  # weights_api imports this module
 
     methods = {**RPC_METHODS, **WEIGHT_METHODS}
+    if body.method not in rpc.METHODS:
+        try:
+            results = await engine_call(server.engine.worker_rpc(body.method, tuple(body.args), body.kwargs or None,
+                                                                 body.timeout))
+        except APIError as exc:
+            cause = exc.__context__
+            if isinstance(cause, rpc.RPCArgumentError):
+                exc.param = cause.param
+            raise
+        return SafeJSONResponse({"results": [_vllm_result(r) for r in results]})
     try:  # the engine's table and argument checks, shared with LLM.collective_rpc
         bound = rpc.check(body.method, body.args, body.kwargs)
     except rpc.RPCArgumentError as exc:
@@ -113,7 +195,18 @@ async def collective_rpc(body: RPCRequest, request: Request) -> dict:
         raise APIError(400, f"{body.method} is not available over HTTP; this server supports {sorted(methods)}",
                        param="method")
     result = await method(server, *list(bound.args)[1:], **bound.kwargs)
-    return {"results": [result] * server.engine.config.tensor_parallel_size}
+    return SafeJSONResponse({"results": [result] * server.engine.config.tensor_parallel_size})
+
+
+def _vllm_result(result: Any) -> Any:
+    """vLLM's answer of one rank's result: None, a dict or a list as it is (if JSON can hold it), else str()."""
+    if result is None or isinstance(result, dict | list):
+        try:
+            json_text(result)
+            return result
+        except (TypeError, ValueError):
+            pass
+    return str(result)
 
 
 @router.post("/release_memory_occupation")
@@ -172,20 +265,26 @@ async def _wake(server: ServerState, tags: list[str] | None = None) -> dict:
 
 async def _reload(server: ServerState, path: str | None = None) -> dict:
     checkpoint = None if path is None else allowed_checkpoint_path(path, server.allowed_weights_dir)
+    seconds = await _loading(server.engine.reload_weights(checkpoint), server, "path")
+    return _answer(server, "reload", seconds, None)
+
+
+async def _loading(awaitable, server: ServerState, param: str):
+    """A reload's result, its failures as answers: a path that holds no checkpoint one generic 400, so nothing is
+    learnt about the disk; a checkpoint that cannot be loaded a 400 naming the problem and what serves now."""
     try:
-        seconds = await server.engine.reload_weights(checkpoint)
-    except OSError:  # missing, not a folder, unreadable: one answer, so nothing is learnt about the disk
-        raise APIError(400, NO_CHECKPOINT, param="path", code="invalid_checkpoint") from None
+        return await awaitable
+    except OSError:  # missing, not a folder, unreadable
+        raise APIError(400, NO_CHECKPOINT, param=param, code="invalid_checkpoint") from None
     except Exception as exc:
         # the loader's CheckpointError (a ValueError: bad file, shape, dtype, index), or safetensors' own
         if isinstance(exc, ValueError) or is_safetensors_error(exc):
             state = server.engine.state_fields()
             serving = "the engine serves the previous weights" if state["serving"] else \
                 "the engine does not serve until a reload or a complete update succeeds"
-            raise APIError(400, f"the checkpoint cannot be loaded: {exc} ({serving})", param="path",
+            raise APIError(400, f"the checkpoint cannot be loaded: {exc} ({serving})", param=param,
                            code="invalid_checkpoint") from None
         raise engine_error(exc) from None
-    return _answer(server, "reload", seconds, None)
 
 
 async def _is_sleeping(server: ServerState) -> bool:

@@ -22,3 +22,5 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
     weights: Any = None  # weight_pipeline.WeightPipeline, made on the first push
+    transfer_update: str | None = None  # the four-phase update begun over HTTP (vllm_api.py)
+    transfer_timer: Any = None  # its idle timeout (an asyncio.TimerHandle)

@@ -6,6 +6,9 @@ all-or-nothing sleep, a stream of weights). No code outside the executors depend
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -28,6 +31,32 @@ class WorkerDiedError(RuntimeError):
 
 
 Method = str | Callable[..., Any]
+
+
+@functools.cache
+def with_extension(worker_cls: type[Worker], extension: str | None) -> type[Worker]:
+    """vLLM's worker extension: the class at the dotted path `extension` ("pkg.module.Class") mixed into
+    `worker_cls` as `type("Worker", (worker_cls, ext), {})`, so its methods run on every rank with the Worker's
+    state (`self.rank`, `self.device`, `self.runner`, ...) and `collective_rpc` reaches them by name. Built in every
+    rank's process from the same path (the engine's config), once per process. As vLLM does, an extension may not
+    define a name the Worker has (it would replace the engine's own method). `extension_methods` on the class: the
+    extension's public methods, the ones `collective_rpc` offers from outside."""
+    if extension is None:
+        return worker_cls
+    module_name, _, class_name = extension.rpartition(".")
+    try:
+        ext = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"worker_extension_cls {extension!r} cannot be imported: {type(exc).__name__}: {exc}") \
+            from None
+    if not inspect.isclass(ext):
+        raise ValueError(f"worker_extension_cls {extension!r} is not a class")
+    clashes = sorted(name for name in vars(ext) if not name.startswith("__") and hasattr(worker_cls, name))
+    if clashes:
+        raise ValueError(f"worker_extension_cls {extension!r} defines {clashes}, which the Worker has already; "
+                         "rename them (an extension adds methods, it never replaces the engine's)")
+    methods = frozenset(name for name, value in inspect.getmembers(ext, callable) if not name.startswith("_"))
+    return type("Worker", (worker_cls, ext), {"extension_methods": methods, "__module__": worker_cls.__module__})
 
 
 def bound(worker: Worker, method: Method) -> Callable[..., Any]:

@@ -24,12 +24,13 @@ import traceback
 import weakref
 from collections.abc import Iterable, Mapping
 
+import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
 from torpor.engine.config import EngineConfig
 from torpor.engine.distributed import TPGroup, check_divisible, rendezvous_store
-from torpor.engine.executor.base import Executor, Method, RankError, WorkerDiedError, bound
+from torpor.engine.executor.base import Executor, Method, RankError, WorkerDiedError, bound, with_extension
 from torpor.engine.models import ModelConfig
 from torpor.engine.sampler import SamplerOutput
 from torpor.engine.sequence import Sequence
@@ -93,7 +94,8 @@ class MultiprocExecutor(Executor):
             self._wait_for_check_in(store)
             self._state["group"] = TPGroup.join(0, self.world_size, store, device, config.tp_comm, self.timeout_s)
             # The driver meets the workers' start-up in its collectives.
-            self.driver = self._state["driver"] = worker_cls(config, self._state["group"], memory)
+            self.driver = self._state["driver"] = with_extension(worker_cls, config.worker_extension_cls)(
+                config, self._state["group"], memory)
             _, errors = self._collect("start-up")
             if errors:
                 raise errors[min(errors)]
@@ -111,7 +113,10 @@ class MultiprocExecutor(Executor):
     # ---- calls -----------------------------------------------------------------------------------
     def collective_rpc(self, method: Method, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list:
-        results, errors = self._everywhere(("call", method, args, kwargs or {}), bound(self.driver, method), args,
+        """A callable travels to the workers by value, as vLLM sends it (cloudpickle: a lambda or a function of
+        the caller's script too; the pipe joins this process and the workers it spawned)."""
+        sent = cloudpickle.dumps(method) if callable(method) else method
+        results, errors = self._everywhere(("call", sent, args, kwargs or {}), bound(self.driver, method), args,
                                            kwargs or {}, timeout, what=getattr(method, "__name__", method))
         if errors:
             raise errors[min(errors)]  # rank 0's own exception as is, a worker's as a RankError
@@ -374,7 +379,7 @@ def worker_main(rank: int, size: int, config: EngineConfig, store_port: int, mem
         store.set(f"torpor-up/{rank}", "1")
         group = TPGroup.join(rank, size, store, torch.device(config.device), config.tp_comm, config.tp_timeout_s)
         memory = None if memory_options is None else MemoryManager(config.device, **memory_options)
-        worker = worker_cls(config, group, memory)
+        worker = with_extension(worker_cls, config.worker_extension_cls)(config, group, memory)
     except BaseException as e:
         with contextlib.suppress(OSError):
             _reply_error(conn, e)
@@ -423,6 +428,8 @@ def _serve(worker: Worker, conn) -> str:
                     result = _load_streamed(worker, conn, strict, reset_buffers)
                 else:
                     _, method, args, kwargs = message
+                    if isinstance(method, bytes):  # a callable, by value (collective_rpc)
+                        method = pickle.loads(method)
                     result = bound(worker, method)(*args, **kwargs)
             except Exception as e:
                 _reply_error(conn, e)

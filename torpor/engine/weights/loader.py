@@ -167,6 +167,16 @@ def copy_checked(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tens
     return len(loaded)
 
 
+def read_weight(model: nn.Module, name: str, shape: tuple[int, ...]) -> list:
+    """What `model` holds of the checkpoint tensor `name` (of the checkpoint's full `shape`), read back through the
+    tensor's cached plan (the inverse of an update's copy): each piece as (its shape, stride and offset in the full
+    tensor, its values in float32 on the host). Under tensor parallelism a rank holds its shard's pieces."""
+    plan = _source_plan(model, name, shape, torch.float32)
+    with torch.no_grad():
+        return [(tuple(c.src.shape), tuple(c.src.stride()), c.src.storage_offset(), c.dst.detach().float().cpu())
+                for c in plan.copies]
+
+
 @contextlib.contextmanager
 def _a_mix_if_written(loaded: set) -> Iterator[None]:
     """A failure inside, once `loaded` holds what was written, raises CheckpointError with `weights_written` (the

@@ -147,9 +147,45 @@ class WeightReceiver:
                 self.on_change()
         return count
 
-    def set_version(self, version: str) -> None:
+    def begin(self, update_id: str, what: str) -> None:
+        """Begin an update that the calls to come write (`write` with `PushPosition(update_id, 1, 2, ...)`) and
+        `commit` ends: from now on nothing runs until it ends (vLLM's start_weight_update)."""
+        self.check_awake(what)
+        self._join(PushPosition(update_id, 0))
+
+    def commit(self, update_id: str, version: str | None = None, flush_cache: bool = True) -> None:
+        """The update `update_id` is complete (vLLM's finish_weight_update): it commits, the weights serve (if
+        whole), its `version` labels them, the prefix cache is forgotten. Raises LifecycleError, touching nothing,
+        when it is not the update in progress (it failed, was abandoned, or never began)."""
+        if version is not None:
+            self.check_version(version)
+        update = self._update
+        if update is None or update.update_id != update_id:
+            ended = self._ended.get(update_id)
+            if ended is not None:
+                raise LifecycleError(f"the weight update ended without committing ({ended}); none of it serves: "
+                                     "start a new one")
+            raise LifecycleError("no weight update is in progress: call start_weight_update first")
+        self._end(update, None)
+        if version is not None:
+            self.version = version
+        if flush_cache:
+            self.on_change()
+
+    def in_progress(self, update_id: str) -> bool:
+        return self._update is not None and self._update.update_id == update_id
+
+    def ended(self, update_id: str) -> str | None:
+        """Why the update `update_id` ended without committing (None: it did not, or is unknown)."""
+        return self._ended.get(update_id)
+
+    @staticmethod
+    def check_version(version: str) -> None:
         if not isinstance(version, str) or not version or len(version) > 256:
             raise ValueError(f"weight_version must be a non-empty string of at most 256 characters, got {version!r}")
+
+    def set_version(self, version: str) -> None:
+        self.check_version(version)
         self.version = version
 
     def _revertible(self) -> bool:
@@ -221,7 +257,7 @@ class WeightReceiver:
             self._end(update, reason)
         return True
 
-    def reload(self, path: str) -> None:
+    def reload(self, path: str, version: str | None = None, flush_cache: bool = True) -> None:
         """The checkpoint at `path` into the weights of every rank. Whole weights whose host copy is not current
         are copied to the host first, so a checkpoint that fails midway (a non-finite value is found after its
         copy) is undone; without host memory for that copy a failure leaves them not whole (never served)."""
@@ -236,7 +272,7 @@ class WeightReceiver:
             self.executor.collective_rpc("reload_weights", (path,))
             return 0
 
-        self.write(None, copy)
+        self.write(None, copy, flush_cache=flush_cache, version=version)
 
     # ---- in-process and payload updates ----------------------------------------------------------------------
     def update_weights(self, named_tensors, push: PushPosition | None = None, staged: bool = False,
@@ -455,7 +491,7 @@ class WeightReceiver:
             raise
 
     def start_receive(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence, group_name: str,
-                      timeout_s: float | None = None) -> None:
+                      timeout_s: float | None = None, packed_bytes: int | None = None) -> None:
         """Every rank starts receiving the trainer's broadcasts on a thread of its own; the engine serves on the old
         weights meanwhile. Refused before the first receive (weights asleep, a name / shape / dtype the checkpoint
         does not have): the group is destroyed then too, since the trainer's broadcasts of it have no receiver."""
@@ -466,7 +502,7 @@ class WeightReceiver:
             if group_name in self._receiving:
                 raise ValueError(f"weights update group {group_name!r} is receiving already")
             self.executor.collective_rpc("start_receive", (group_name, list(names), list(dtypes), list(shapes),
-                                                           timeout_s))
+                                                           timeout_s, packed_bytes))
         except (ValueError, LifecycleError) as e:
             existed = self.executor.driver.has_update_group(group_name)
             self.executor.collective_rpc("drop_staged", (group_name, True))
@@ -494,14 +530,21 @@ class WeightReceiver:
             self.executor.collective_rpc("drop_staged", (group_name, True))
             raise
 
-    def apply_received(self, names: Sequence[str], group_name: str, flush_cache: bool = True) -> int:
+    def apply_received(self, names: Sequence[str], group_name: str, flush_cache: bool = True,
+                       push: PushPosition | None = None) -> int:
         """Copy what every rank received (each keeps its shard); a failure drops what every rank received."""
         self._receiving.discard(group_name)
+        return self.apply_opened(names, group_name, push, flush_cache)
+
+    def apply_opened(self, names: Sequence[str], key: str, push: PushPosition | None = None,
+                     flush_cache: bool = True) -> int:
+        """Copy what every rank holds under `key` (received, opened or given by a worker extension, checked), as
+        (part of) one update; a failure drops it on every rank."""
         try:
-            return self.write(list(names), lambda: self.executor.collective_rpc("apply_staged", (group_name,))[0],
-                              None, flush_cache)
+            return self.write(list(names), lambda: self.executor.collective_rpc("apply_staged", (key,))[0], push,
+                              flush_cache)
         except BaseException:
-            self.executor.collective_rpc("drop_staged", (group_name, False))
+            self.executor.collective_rpc("drop_staged", (key, False))
             raise
 
     def receiving(self) -> list[str]:

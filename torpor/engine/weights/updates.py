@@ -10,6 +10,7 @@ receive may run on a thread of its own (`start_receive`) while the engine keeps 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import torch
 
 from torpor.engine.weights.manifest import Manifest
 from torpor.engine.weights.payload import named_tensors_of, parse_dtype, unpickle_payload
+from torpor.engine.weights.transfer_info import packed_groups, unpack
 from torpor.engine.weights.transport import (
     UpdateGroup,
     WeightTransferError,
@@ -27,6 +29,8 @@ from torpor.engine.weights.transport import (
 )
 
 OPENED = "\0opened"  # the key of a per-rank payload (no group name can hold a NUL)
+TRANSFER = "\0transfer"  # the key of a chunk of vLLM's four-phase IPC update
+EXTENSION = "\0extension"  # the key of what a worker extension gave `Worker.write_weights`
 
 
 def release_transfer_memory(named_tensors: list) -> None:
@@ -127,13 +131,15 @@ class RankUpdates:
 
     # ---- receiving -------------------------------------------------------------------------------
     def receive(self, group_name: str, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-                deadline: float | None = None) -> int:
+                deadline: float | None = None, packed_bytes: int | None = None) -> int:
         """The trainer's broadcasts of `specs` (in order) into fresh tensors on this rank's device by `deadline`
         (transport.receive_tensors: any size mismatch, a trainer gone or silent is a WeightTransferError and the group
-        is destroyed), staged under `group_name`. Nothing is written to the model here."""
+        is destroyed), staged under `group_name`. `packed_bytes`: vLLM's packed broadcast instead, uint8 buffers of
+        consecutive tensors closed past that many bytes (`packed_groups`). Nothing is written to the model here."""
         group = self.group(group_name)
         try:
-            received = receive_tensors(group, specs, deadline)
+            received = receive_tensors(group, specs, deadline) if packed_bytes is None else \
+                _receive_packed(group, specs, packed_bytes, deadline)
         except WeightTransferError:
             with self._lock:  # its handle is destroyed already: forget it
                 if self._groups.get(group_name) is group:
@@ -143,7 +149,8 @@ class RankUpdates:
             self._staged[group_name] = received
         return len(received)
 
-    def start_receive(self, group_name: str, specs, timeout_s: float | None = None) -> None:
+    def start_receive(self, group_name: str, specs, timeout_s: float | None = None,
+                      packed_bytes: int | None = None) -> None:
         """`receive` on a thread of its own, for at most `timeout_s` (default: the group's timeout): the engine goes
         on serving meanwhile (`wait_receive` ends it)."""
         group = self.group(group_name)  # a missing group is refused now
@@ -155,7 +162,7 @@ class RankUpdates:
             try:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
-                self.receive(group_name, specs, deadline)
+                self.receive(group_name, specs, deadline, packed_bytes)
             except BaseException as e:  # handed to wait_receive
                 self._errors[group_name] = e
 
@@ -209,6 +216,24 @@ class RankUpdates:
             self._staged[OPENED] = pairs
         return [name for name, _ in pairs]
 
+    def stage(self, key: str, pairs: list[tuple[str, torch.Tensor]], extend: bool = False) -> list[str]:
+        """Checked tensors (against the manifest) staged under `key` for a copy to come (`extend`: added to what is
+        staged there already, each name once); the names staged there now."""
+        with self._lock:
+            before = list(self._staged.get(key, ())) if extend else []
+        try:
+            self.manifest.check(before + list(pairs))
+        except BaseException:
+            release_transfer_memory(pairs)
+            raise
+        with self._lock:
+            self._staged[key] = before + list(pairs)
+            return [name for name, _ in self._staged[key]]
+
+    def staged_names(self, key: str) -> list[str]:
+        with self._lock:
+            return [name for name, _ in self._staged.get(key, ())]
+
     def take(self, key: str) -> list[tuple[str, torch.Tensor]]:
         """The staged tensors of `key` (the caller copies, then releases them)."""
         with self._lock:
@@ -225,3 +250,13 @@ class RankUpdates:
             release_transfer_memory(staged)
         if destroy:
             self.destroy_group(key)
+
+
+def _receive_packed(group: UpdateGroup, specs, packed_bytes: int, deadline: float | None):
+    """vLLM's packed broadcast: one uint8 buffer per group of consecutive tensors, each received and checked as one
+    tensor (receive_tensors), then viewed as its tensors (fresh memory of this rank: nothing aliases the trainer)."""
+    groups = packed_groups(specs, packed_bytes)
+    buffers = receive_tensors(group, [(f"packed buffer {i} ({len(g)} tensors from {g[0][0]!r})", torch.uint8,
+                                       (sum(math.prod(s) * d.itemsize for _, d, s in g),))
+                                      for i, g in enumerate(groups)], deadline)
+    return [pair for members, (_, buffer) in zip(groups, buffers, strict=True) for pair in unpack(buffer, members)]
