@@ -279,7 +279,7 @@ def test_a_running_request_id_cannot_be_reused(sgl):
 
 
 def test_health_generate_and_infos(sgl, tiny_model_path):
-    http, admin, _, app = sgl
+    http, admin, _, _ = sgl
     public = httpx.Client(base_url=str(http.base_url), timeout=60)
     assert public.get("/health_generate").status_code == 200  # public, as SGLang's /health*
     admin.post("/sleep", params={"level": 1}).raise_for_status()

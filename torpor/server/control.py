@@ -182,8 +182,8 @@ async def _release(server: ServerState, tags: list[str]) -> dict:
 
 
 async def _wake(server: ServerState, tags: list[str] | None = None, strict: bool = False) -> dict:
-    if tags is not None:
-        _checked(check_tags, tags, "tags")
+    if tags is not None:  # vLLM's virtual "scheduling" ends a level-0 sleep
+        _checked(lambda named: check_tags(named, (*SLEEP_TAGS, "scheduling")), tags, "tags")
     result = await engine_call(server.engine.wake_up(tags, strict))
     return _answer(server, "wake", result.seconds, result.report, woken=list(result.woken), changed=True)
 
