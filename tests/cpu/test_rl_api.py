@@ -97,7 +97,7 @@ class Stream:
                     self.chunks.append(json.loads(line.removeprefix("data: ")))
 
     def tokens(self) -> list[int]:
-        return [t for chunk in list(self.chunks) for t in chunk["choices"][0]["token_ids"] or []]
+        return [t for chunk in list(self.chunks) for t in chunk["choices"][0].get("token_ids") or []]
 
     def started(self, num_tokens: int = 2) -> "Stream":
         wait_for(lambda: len(self.tokens()) >= num_tokens, what="the stream's first tokens")
@@ -252,7 +252,11 @@ def test_abort_requests_by_id_and_all_without_pausing(server):
     assert not second.done and server.admin.get("/is_paused").json() == {"is_paused": False}
     assert server.admin.post("/abort_requests", json={}).json() == {"status": "aborted", "aborted": 1}
     assert second.join()["finish_reason"] == "abort"
-    assert server.admin.post("/abort_requests").json() == {"status": "aborted", "aborted": 0}  # no body: all
+    chat = Stream(server, "/v1/chat/completions", model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                  max_tokens=LONG, temperature=0, ignore_eos=True, return_token_ids=True).started()
+    assert server.admin.post("/abort_requests").json() == {"status": "aborted", "aborted": 1}  # no body: all
+    last = chat.join()
+    assert last["finish_reason"] == "abort" and last["weight_versions"][0]["end"] == len(chat.tokens())
     assert error_of(server.admin.post("/abort_requests", json={"request_ids": [3]}), 400)
 
 

@@ -5,7 +5,9 @@ request, sleep, wake, reload, an update, a reading) between steps, and steps whi
 blocks on its inbox (it never spins). The engine's outputs (finished ones and, for streaming requests, each
 step's text and token deltas) go back to the event loop with `call_soon_threadsafe`. The engine's state is
 published after every command. A step that raises fails the requests it was serving (they get the error) and the
-thread goes on; a sleep or wake resolves only once it is complete. Every control operation is logged: one INFO
+thread goes on; a sleep or wake resolves only once it is complete. A command that completes later (a pause that
+waits for the running requests, a flush that waits for none to run) leaves a waiter, checked after every command
+and step, with its deadline. Every control operation is logged: one INFO
 line when it succeeds (what, level or tags, seconds, bytes), a WARNING when it fails.
 
 The routes call only this API (never the `LLMEngine` behind it).
