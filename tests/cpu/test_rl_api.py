@@ -187,6 +187,24 @@ def test_pause_errors_in_vllm_shape(server):
     assert error_of(anonymous.get("/is_paused"), 401)
 
 
+def test_a_wait_that_cannot_end_answers_and_undoes_its_pause(server):
+    stream = Stream(server).started()
+    answer = server.admin.post("/pause", params={"mode": "wait", "timeout": 0.05})  # torpor's bound
+    assert answer.status_code == 500 and "still ran after 0.05 s; the pause is undone" in answer.json()["error"]
+    assert server.admin.get("/is_paused").json() == {"is_paused": False} and not stream.done
+    waiting: dict = {}
+    thread = threading.Thread(target=lambda: waiting.update(answer=server.admin.post("/pause",
+                                                                                      params={"mode": "wait"})))
+    thread.start()
+    wait_for(lambda: server.llm.engine.is_paused(), what="the wait to begin")
+    assert server.admin.post("/pause", params={"mode": "keep", "clear_cache": False}).status_code == 200
+    thread.join(60)  # the requests it waits for are frozen by the second pause: it answers, not hangs
+    assert waiting["answer"].status_code == 500 and "cannot finish" in waiting["answer"].json()["error"]
+    assert server.llm.engine.state().paused == "all"  # the second pause stands
+    server.admin.post("/resume").raise_for_status()
+    assert stream.join()["finish_reason"] == "length"
+
+
 def test_keep_pause_across_a_trainer_push_span_by_span(server, new_weights, old_tokens):
     """vLLM's in-flight update: paused with "keep" (clear_cache: the KV is recomputed), new weights and their label
     pushed by a trainer process, resumed: the tokens before the update are the old weights' answer, those after it

@@ -454,8 +454,8 @@ class AsyncEngine:
             return None
         scheduler = engine.scheduler
 
-        def stuck() -> bool:
-            return not lc.may_run(ignore_pause=True) and lc.updating is None
+        def stuck() -> bool:  # a sleep or another pause froze them (an update in progress ends by itself)
+            return not lc.may_run() and lc.updating is None
 
         def then() -> None:
             if scheduler.running:
@@ -470,6 +470,8 @@ class AsyncEngine:
                                  f"{timeout:g} s; the pause is undone")
 
         def undo() -> None:
+            if lc.paused != "new":  # another pause (or a resume) came since: it stands
+                return
             if before is None:
                 lc.resume()
             else:
