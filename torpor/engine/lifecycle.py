@@ -152,7 +152,8 @@ class EngineState:
         if not self.weights_valid:
             return (f"the weights are not whole (discarded by sleep(level=2), or an update failed after writing "
                     f"part of them){missing} and every tag is awake: call {reload}")
-        return f"generation is paused ({self.paused}): call resume_generation() (HTTP: /resume)"
+        return (f"generation is paused ({self.paused}): call resume_generation() (HTTP: /resume, SGLang's "
+                "/continue_generation)")
 
 
 @dataclass(frozen=True)
