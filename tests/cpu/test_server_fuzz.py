@@ -42,6 +42,7 @@ def fuzz_server(tiny_model_path):
         yield url
         with httpx.Client(base_url=url, headers=AUTH) as admin:  # leave it as found
             admin.post("/wake_up")
+            admin.post("/resume")
 
 
 @pytest.mark.slow

@@ -62,7 +62,8 @@ def test_generate_text_answer_field_by_field(sgl):
     assert got["text"] == expected.outputs[0].text and got["output_ids"] == expected.outputs[0].token_ids
     meta = got["meta_info"]
     assert set(meta) == {"id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens",
-                         "cached_tokens", "e2e_latency"}
+                         "cached_tokens", "e2e_latency", "weight_versions"}
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
     assert HEX_ID.fullmatch(meta["id"]) and meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["prompt_tokens"] == len(expected.prompt_token_ids) and meta["completion_tokens"] == 6
     assert meta["weight_version"] == "default" and isinstance(meta["cached_tokens"], int)
@@ -278,7 +279,7 @@ def test_a_running_request_id_cannot_be_reused(sgl):
 
 
 def test_health_generate_and_infos(sgl, tiny_model_path):
-    http, admin, _, app = sgl
+    http, admin, _, _ = sgl
     public = httpx.Client(base_url=str(http.base_url), timeout=60)
     assert public.get("/health_generate").status_code == 200  # public, as SGLang's /health*
     admin.post("/sleep", params={"level": 1}).raise_for_status()
@@ -296,13 +297,15 @@ def test_health_generate_and_infos(sgl, tiny_model_path):
                     "preferred_sampling_params": None, "weight_version": "default",
                     "has_image_understanding": False, "has_audio_understanding": False, "model_type": "qwen3",
                     "architectures": ["Qwen3ForCausalLM"]}
-    app.state.server.engine._engine.update_weight_version("step-7")  # an update that names one sets it
+    answer = admin.post("/update_weight_version", json={"new_version": "step-7"}).json()  # SGLang's and vLLM's
+    assert answer == {"success": True, "message": "Weight version updated to step-7", "new_version": "step-7"}
     try:
         assert http.get("/model_info").json()["weight_version"] == "step-7"
-        assert generate(http, text="hi", sampling_params={"max_new_tokens": 1})["meta_info"]["weight_version"] == \
-            "step-7"
+        assert admin.get("/weight_info").json() == {"weight_version": "step-7"}
+        meta = generate(http, text="hi", sampling_params={"max_new_tokens": 1})["meta_info"]
+        assert meta["weight_version"] == "step-7" and meta["weight_versions"][0]["version"] == "step-7"
     finally:
-        app.state.server.engine._engine.update_weight_version("default")
+        admin.post("/update_weight_version", json={"new_version": "default"}).raise_for_status()
     server = http.get("/get_server_info").json()
     assert server == http.get("/server_info").json()
     assert server["model_path"] == tiny_model_path and server["served_model_name"] == MODEL

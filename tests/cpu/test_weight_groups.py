@@ -103,7 +103,7 @@ SGLANG_TRAINER = """
     named = list(iter_checkpoint({path!r}))
     receiving = threading.Thread(target=post, args=("/update_weights_from_distributed", {{
         "names": [n for n, _ in named], "dtypes": ["float32"] * len(named), "shapes": [list(t.shape) for _, t in named],
-        "group_name": "sglang"}}))
+        "group_name": "sglang", "weight_version": "dist-1"}}))
     receiving.start()  # the broadcasts while /update_weights_from_distributed is pending
     broadcast_all(group, [t for _, t in named])
     receiving.join()
@@ -126,7 +126,9 @@ def test_an_sglang_style_trainer_forms_the_group_and_pushes(engine, tiny_model_p
     assert code == 0, err
     assert out.split() == ["init", "200", "update", "200", "destroy", "200"], (out, err)
     assert _served(engine) == _answers(new_weights_path) != old
+    assert engine.http.get("/weight_info").json() == {"weight_version": "dist-1"}  # SGLang's label, on success
     WeightPusher(engine.url, ADMIN).push(iter_checkpoint(tiny_model_path))  # the old weights, for the next tests
+    engine.http.post("/update_weight_version", json={"new_version": "default"}).raise_for_status()
     assert _served(engine) == old
 
 

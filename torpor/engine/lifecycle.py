@@ -22,6 +22,10 @@ Level 0 only pauses scheduling. Levels 3 and 4 are levels 1 and 2 plus the proce
 selective wake left awake, and is a no-op when it releases nothing more and deepens neither. Any wake restores
 every tag but `weights` and `kv_cache`, which wake when named or when everything wakes; the context comes back
 first. The engine serves once every tag is awake, the context is back and the weights are whole.
+
+Generation may also be paused (`pause`, the engine's `pause_generation`): no new request starts ("new"), or
+nothing runs ("all": running requests keep their KV). A pause is independent of sleep: a wake does not end it,
+`resume` does.
 """
 
 from __future__ import annotations
@@ -40,8 +44,12 @@ LEVELS = {
     2: {"weights": "discard", "kv_cache": "discard", "runtime": "offload", "workspace": "discard",
         "cuda_graph": "offload"},
 }
-SLEEP_MODES = ("wait", "abort")  # running requests finish first, or are aborted
+# What a sleep does with running requests: they finish first, are aborted, or are kept (level 0: frozen with their
+# KV; deeper levels: back to the waiting queue, recomputed after the wake)
+SLEEP_MODES = ("wait", "abort", "keep")
 PAUSES = ("new", "all")  # pause_generation: no new request starts / nothing runs (running requests keep their KV)
+# pause_generation's modes, vLLM's (abort, wait, keep) and SGLang's (abort, retract, in_place = keep)
+PAUSE_MODES = ("abort", "wait", "keep", "retract", "in_place")
 
 
 class LifecycleError(RuntimeError):
@@ -61,7 +69,15 @@ def check_level(level: object) -> int:
 
 def check_mode(mode: object) -> str:
     if mode not in SLEEP_MODES:
-        raise ValueError(f"mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
+        raise ValueError(f"mode must be 'wait' (running requests finish first), 'abort' or 'keep' (they continue "
+                         f"after the wake), got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def check_pause_mode(mode: object) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)} (vLLM's abort, wait, keep; SGLang's abort, "
+                         f"retract, in_place), got {mode!r}")
     return mode  # type: ignore[return-value]
 
 
@@ -136,7 +152,8 @@ class EngineState:
         if not self.weights_valid:
             return (f"the weights are not whole (discarded by sleep(level=2), or an update failed after writing "
                     f"part of them){missing} and every tag is awake: call {reload}")
-        return f"generation is paused ({self.paused}): call resume_generation() (HTTP: /resume)"
+        return (f"generation is paused ({self.paused}): call resume_generation() (HTTP: /resume, SGLang's "
+                "/continue_generation)")
 
 
 @dataclass(frozen=True)
@@ -218,10 +235,12 @@ class Lifecycle:
         s = self._s
         return self.awake and not s.missing and s.updating is None and s.broken is None and s.paused is None
 
-    def may_run(self) -> bool:
-        """Whether the scheduler may run a step (running requests go on while draining or paused for new)."""
+    def may_run(self, ignore_pause: bool = False) -> bool:
+        """Whether the scheduler may run a step (running requests go on while draining or paused for new);
+        `ignore_pause`: whether it could, were generation not paused."""
         s = self._s
-        return self.awake and not s.missing and s.updating is None and s.broken is None and s.paused != "all"
+        return self.awake and not s.missing and s.updating is None and s.broken is None and (
+            ignore_pause or s.paused != "all")
 
     def may_admit(self) -> bool:
         """Whether the scheduler may start new (or preempted) requests."""

@@ -163,7 +163,8 @@ class LLM:
             self._lock.notify_all()
             return
         deadline = None if self.wait_if_asleep is None else time.monotonic() + self.wait_if_asleep
-        while not self.engine.serving and not self.engine.has_pending_outputs():
+        # (paused for new requests, the running ones still run: step on)
+        while not self.engine.serving and not self.engine.has_pending_outputs() and not self.engine.has_work():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 waited = f" (waited {self.wait_if_asleep:g} s)" if self.wait_if_asleep else ""
@@ -182,8 +183,9 @@ class LLM:
         and scratch discarded. Level 2: as 1, but the weights are discarded too (then
         `reload_weights` or `update_weights`). Levels 3 and 4: as 1 and 2, plus this process's whole CUDA
         context released (0 MiB of device memory; CUDA, one GPU per process, driver >= 570; see
-        docs/sleep-mode.md). `mode`: "wait" lets running requests finish first, "abort" ends them. Returns
-        the memory report (None for a no-op or level 0). A sleep that fails leaves the engine as it was."""
+        docs/sleep-mode.md). `mode`: "wait" lets running requests finish first, "abort" ends them, "keep" keeps
+        them (they continue after the wake; vLLM's default is "abort"). Returns the memory report (None for a
+        no-op or level 0). A sleep that fails leaves the engine as it was."""
         with self._driving():
             report = self.engine.sleep(level, mode)
             self._lock.notify_all()
@@ -200,6 +202,41 @@ class LLM:
     def is_sleeping(self) -> bool:
         with self._driving():
             return self.engine.is_sleeping()
+
+    # ---- pause and resume (vLLM's names; see LLMEngine.pause_generation) -----------------------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation (call it from another thread than `generate`'s, which waits meanwhile when
+        `wait_if_asleep` allows): "abort" every request, "wait" for the running ones, "keep" them (frozen with
+        their KV; `clear_cache` recomputes them after the resume), or SGLang's "retract" / "in_place"."""
+        with self._driving():
+            self.engine.pause_generation(mode, clear_cache)
+            self._lock.notify_all()
+
+    def resume_generation(self) -> None:
+        with self._driving():
+            self.engine.resume_generation()
+            self._lock.notify_all()
+
+    def is_paused(self) -> bool:
+        with self._driving():
+            return self.engine.is_paused()
+
+    def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """Abort the given requests (None: every one), without pausing; `generate` returns their outputs,
+        finish_reason "abort" with the tokens they have. Returns how many were aborted."""
+        with self._driving():
+            count = len(self.engine.abort_requests(request_ids))
+            self._lock.notify_all()
+            return count
+
+    def update_weight_version(self, new_version: str) -> None:
+        """Label the weights served (vLLM's; the weights are not touched): tokens sampled from now on carry it
+        (`CompletionOutput.weight_versions`)."""
+        with self._driving():
+            self.engine.update_weight_version(new_version)
+
+    def get_weight_version(self) -> str:
+        return self.engine.weight_version
 
     def reload_weights(self, path: str | None = None) -> None:
         """Reload the checkpoint (or the one at `path`) into the same weight tensors."""
@@ -316,10 +353,12 @@ class LLM:
         from torpor.engine.logprobs import with_logprob_objects
 
         return with_logprob_objects(output, self.tokenizer, params.logprobs, params.prompt_logprobs)
-    def reset_prefix_cache(self) -> bool:
-        """Forget every KV block cached for prefix reuse (vLLM's name); True when done."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every KV block cached for prefix reuse (vLLM's name); True when done. `reset_running_requests`:
+        the running requests recompute their KV (they go back to the waiting queue first); `reset_connector`:
+        accepted (torpor has no external KV connector)."""
         with self._driving():
-            return self.engine.reset_prefix_cache()
+            return self.engine.reset_prefix_cache(reset_running_requests)
     # ---- weights from a trainer process (SGLang's names; see weights/receiver.py) --------------
     def update_weights_from_tensor(self, named_tensors=None, load_format: str | None = None,
                                    flush_cache: bool = True, serialized_named_tensors: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from torpor.engine.lifecycle import (
     LifecycleError,
     SleepPlan,
     check_mode,
+    check_pause_mode,
     check_tags,
 )
 from torpor.engine.model_runner import debug_logging, timed_phase
@@ -37,7 +38,7 @@ from torpor.engine.scheduler import Scheduler
 from torpor.engine.sequence import FINISHED, Sequence
 from torpor.engine.tokenizer import OutputText, Tokenizer
 from torpor.engine.weights.manifest import Manifest
-from torpor.engine.weights.receiver import PushPosition, WeightReceiver, weight_names
+from torpor.engine.weights.receiver import PushPosition, WeightReceiver, check_version, weight_names
 from torpor.engine.weights.transfer import WeightTransfer
 from torpor.engine.weights.updates import EXTENSION
 from torpor.engine.worker import Worker
@@ -218,6 +219,10 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         return None if request is None else self._output(request)
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests waiting or running (in arrival order)."""
+        return list(self._requests)
+
     def abort_requests(self, request_ids: Iterable[str] | None = None) -> list[RequestOutput]:
         """Abort the given requests (None: every one, waiting or running); their outputs, finish_reason 'abort' with
         the tokens and logprobs they have, are returned and also handed out by the next `step`."""
@@ -232,13 +237,68 @@ class LLMEngine:
         return self.weights.version
 
     def update_weight_version(self, version: str) -> None:
+        """Set the label of the weights served (the weights are not touched); tokens sampled from the next step
+        on carry it."""
         self.weights.set_version(version)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached KV block (blocks in use stay with their sequences; they register nothing
-        more). Done by the engine itself whenever the weights change or the KV cache is discarded."""
+        more). Done by the engine itself whenever the weights change or the KV cache is discarded.
+        `reset_running_requests` (vLLM's): the running requests go back to the waiting queue first, their KV
+        dropped (recomputed when they start again). Always done: True."""
+        if reset_running_requests:
+            self.scheduler.retract()
         self.scheduler.block_manager.reset_prefix_cache()
         return True
+
+    # ---- pause and resume (vLLM's and SGLang's pause_generation; the state: Lifecycle.paused) -----------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation; requests added meanwhile wait until `resume_generation`. `mode`: "abort" every
+        request (running and waiting: their outputs, finish_reason "abort", keep their tokens and logprobs);
+        "wait": no request starts, and the call returns once the running ones finished (stepped here; their
+        outputs come out of the next `step`); "keep" (SGLang's "in_place"): nothing runs, running requests keep
+        their KV and continue after the resume; "retract": nothing runs, running requests go back to the waiting
+        queue, their KV dropped and recomputed after the resume. `clear_cache` (vLLM's): once idle the prefix cache
+        is reset; with "keep" the running requests are retracted first, so after a weight update they recompute
+        under the new weights (with clear_cache=False they keep the KV of their earlier tokens, computed by the
+        old ones). A pause while paused changes its mode. Raises LifecycleError, changing nothing, for "wait"
+        while the running requests cannot run (asleep, weights not whole)."""
+        if not self.begin_pause(mode, clear_cache):
+            self._drain_running("pause_generation(mode='wait')")
+            self.finish_pause(clear_cache)
+
+    def begin_pause(self, mode: str, clear_cache: bool = True) -> bool:
+        """What `pause_generation` does at once; returns whether the pause is complete (False: mode "wait" with
+        requests running: call `finish_pause` once none runs). The server's engine thread steps meanwhile."""
+        mode, lc = check_pause_mode(mode), self.lifecycle
+        if mode == "wait" and self.scheduler.running and not lc.may_run(ignore_pause=True):
+            raise LifecycleError(f"pause_generation(mode='wait'): the running requests cannot finish now: "
+                                 f"{self.state().not_serving_reason()}; use mode 'abort' or 'keep'")
+        if mode == "abort":
+            self.abort_requests(None)
+        lc.pause("new" if mode in ("abort", "wait") else "all")
+        if mode == "retract" or (clear_cache and mode in ("keep", "in_place")):
+            self.scheduler.retract()
+        if mode == "wait" and self.scheduler.running:
+            return False
+        self.finish_pause(clear_cache)
+        return True
+
+    def finish_pause(self, clear_cache: bool = True) -> None:
+        """The end of a pause once no request runs: the prefix cache reset when `clear_cache`."""
+        if clear_cache:
+            self.reset_prefix_cache()
+
+    def resume_generation(self, empty_cache: bool = False) -> None:
+        """End a pause: requests waiting (new, kept, retracted) run again. `empty_cache` (SGLang's
+        torch_empty_cache): give the device's cached free memory back first (CUDA)."""
+        if empty_cache and self.executor.driver.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.lifecycle.resume()
+
+    def is_paused(self) -> bool:
+        """Whether generation is paused (`pause_generation`; a level-0 sleep is `is_sleeping`)."""
+        return self.lifecycle.paused is not None
 
     def prefix_cache_stats(self) -> dict[str, int]:
         """Prompt tokens looked up in the prefix cache and found there (counters since start-up)."""
@@ -353,7 +413,7 @@ class LLMEngine:
         if not seqs:
             return outputs
         output = self.executor.execute_model(seqs, is_prefill)
-        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs, output.routed_experts)
+        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs, output.routed_experts, self.weights.version)
         return outputs + self._outputs(seqs)
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -455,17 +515,19 @@ class LLMEngine:
     # ---- sleep and wake (the levels and the tag table: lifecycle.py) ----------------------
     def sleep(self, level: int = 1, mode: str = "wait") -> Report | None:
         """Level 0 pauses scheduling; 1 and 2 also release memory; 3 and 4 are 1 and 2 plus the CUDA context.
-        Running requests are finished first (`mode="wait"`, new ones are not started) or aborted (`"abort"`); their
-        outputs come out of the next `step`. A sleep that deepens nothing is a no-op (None). A sleep that fails leaves
-        the engine as it was before (same level, serving if it served); level 3/4's preconditions are checked before
-        anything is touched. A weight update in progress ends first, as a failure (its old weights come back when
-        they can)."""
+        Running requests are finished first (`mode="wait"`, new ones are not started), aborted (`"abort"`; their
+        outputs come out of the next `step`) or kept (`"keep"`: at level 0 frozen with their KV, deeper back to the
+        waiting queue, recomputed after the wake). A sleep that deepens nothing is a no-op (None). A sleep that
+        fails leaves the engine as it was before (same level, serving if it served); level 3/4's preconditions are
+        checked before anything is touched. A weight update in progress ends first, as a failure (its old weights
+        come back when they can)."""
         check_mode(mode)
         lc = self.lifecycle
         plan = lc.plan_sleep(level)
         if plan is None:
             return None
         self._check_no_receive("sleep")
+        self._check_settle(mode, f"sleep(level={level}, mode='wait')")
         if plan.release_context and not lc.context_released:
             self._check_context_release(level)
         if plan.actions and not lc.context_released:
@@ -481,6 +543,7 @@ class LLMEngine:
         if plan is None:
             return None
         self._check_no_receive("release_memory_occupation")
+        self._check_settle(mode, "release_memory_occupation")
         self.executor.driver.check_sleep(plan.actions)
         return self._sleep(plan, mode)
 
@@ -490,7 +553,7 @@ class LLMEngine:
             self.weights.abandon(None, "a sleep came before the update ended")
             try:
                 if lc.level in (None, 0):  # requests may be running
-                    self._settle_running(mode)
+                    self._settle_running(mode, plan.level)
                 if lc.context_released and plan.actions:
                     self._restore_context()  # dropping host copies needs the context
                 report = self.executor.sleep(plan.actions) if plan.actions else None
@@ -507,19 +570,39 @@ class LLMEngine:
                 self._release_context(plan, before)
         return report
 
-    def _settle_running(self, mode: str) -> None:
+    def _settle_running(self, mode: str, level: int) -> None:
+        """What a sleep does with the running requests first (see `sleep`)."""
         if mode == "abort":
             for seq in list(self.scheduler.running):
                 output = self.abort_request(seq.request_id)
                 if output is not None:
                     self._pending.append(output)
-            return
-        self.lifecycle.start_drain()
-        try:
-            while self.scheduler.running:
-                self._pending = self.step()  # step hands back what was pending plus what it produced
-        finally:
-            self.lifecycle.end_drain()
+        elif mode == "keep":
+            if level != 0:
+                self.scheduler.retract()  # their KV goes with the sleep: they recompute after the wake
+        else:
+            self.lifecycle.start_drain()
+            try:
+                self._drain_running("sleep(mode='wait')")
+            finally:
+                self.lifecycle.end_drain()
+
+    def _check_settle(self, mode: str, what: str) -> None:
+        """A sleep that waits for the running requests needs them to be able to run (a weight update in
+        progress ends first)."""
+        lc = self.lifecycle
+        if mode == "wait" and self.scheduler.running and lc.updating is None and not lc.may_run():
+            raise LifecycleError(f"{what}: {len(self.scheduler.running)} running requests cannot finish now: "
+                                 f"{self.state().not_serving_reason()}; use mode 'abort' or 'keep'")
+
+    def _drain_running(self, what: str) -> None:
+        """Step until no request runs (their outputs come out of the next `step`); raises LifecycleError if they
+        cannot run (nothing would end the loop)."""
+        while self.scheduler.running:
+            if not self.lifecycle.may_run():
+                raise LifecycleError(f"{what}: {len(self.scheduler.running)} running requests cannot finish: "
+                                     f"{self.state().not_serving_reason()}")
+            self._pending = self.step()  # step hands back what was pending plus what it produced
 
     def _check_no_receive(self, what: str) -> None:
         receiving = self.weights.receiving()
@@ -588,7 +671,7 @@ class LLMEngine:
         labels them once loaded; `flush_cache` False (SGLang's) keeps the prefix cache's K/V of the old weights."""
         self.weights.check_awake("reload_weights")
         if version is not None:
-            self.weights.check_version(version)
+            check_version(version)
         if flush_cache:
             self.reset_prefix_cache()  # K/V computed with the old weights must not serve new requests
         self.weights.reload(path or self.config.model, version, flush_cache)
@@ -600,9 +683,10 @@ class LLMEngine:
 
     def update_weights_from_tensor(self, serialized_named_tensors=None, load_format: str | None = None,
                                    flush_cache: bool = True, named_tensors=None,
-                                   push: PushPosition | None = None) -> int:
+                                   push: PushPosition | None = None, weight_version: str | None = None) -> int:
+        """`weight_version`: the label of the weights once the update commits (only then)."""
         return self.weights.update_from_tensor(serialized_named_tensors, load_format, flush_cache, named_tensors,
-                                               push)
+                                               push, weight_version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str | None = None,
@@ -611,13 +695,13 @@ class LLMEngine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        timeout: float | None = None) -> int:
+                                        timeout: float | None = None, weight_version: str | None = None) -> int:
         """Receive the trainer's broadcasts (every rank, on threads of their own), then copy them all. Blocks its
         caller; the server receives off its engine thread (start_receive / receive_done / apply_received)."""
         timeout = DEFAULT_GROUP_TIMEOUT_S if timeout is None else timeout
         self.weights.start_receive(names, dtypes, shapes, group_name, timeout)
         self.weights.wait_receive(group_name, timeout + 5.0, timeout)  # the receive ends by its own deadline
-        return self.weights.apply_received(names, group_name, flush_cache)
+        return self.weights.apply_received(names, group_name, flush_cache, version=weight_version)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.weights.destroy_group(group_name)

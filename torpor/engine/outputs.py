@@ -12,7 +12,17 @@ from torpor.engine.sequence import FinishReason, TokenLogprobs
 if TYPE_CHECKING:
     from torpor.engine.sequence import Sequence
 
-__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs"]
+__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs", "WeightVersionSpan"]
+
+
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """vLLM's weight-version span: output tokens [start, end) were sampled by the weights labelled `version` (the
+    label an update or `update_weight_version` set; "default" before any)."""
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass
@@ -34,6 +44,9 @@ class CompletionOutput:
     # return_routed_experts (MoE): numpy [len(token_ids), moe layers, top_k], the experts each token's forward pass
     # chose (format: torpor/engine/routed_experts.py); None otherwise
     routed_experts: np.ndarray | None = None
+    # Once finished (vLLM's): the weights that sampled each span of token_ids, in order ([] without tokens); a
+    # request paused with mode "keep" across a weight update gets two spans. None while it runs.
+    weight_versions: list[WeightVersionSpan] | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,6 +102,8 @@ class RequestOutput:
             delta_text=delta_text,
             delta_start=delta_start,
             routed_experts=None if seq.routed_experts is None else _routed_rows(seq),
+            weight_versions=[WeightVersionSpan(*span) for span in seq.weight_version_spans()]
+            if seq.is_finished else None,
         ) for seq, text, delta_text, delta_start in zip(seqs, texts, delta_texts, delta_starts, strict=True)]
         return cls(
             request_id=first.request_id,

@@ -15,8 +15,9 @@ from typing import Any
 
 
 def _sleep(target, level: int = 1, mode: str = "wait"):
-    if mode not in ("wait", "abort"):
-        raise ValueError(f"sleep: mode must be 'wait' (running requests finish first) or 'abort', got {mode!r}")
+    if mode not in ("wait", "abort", "keep"):
+        raise ValueError(f"sleep: mode must be 'wait' (running requests finish first), 'abort' or 'keep' (they "
+                         f"continue after the wake), got {mode!r}")
     return target.sleep(level, mode)  # positional: the engine's second parameter is the mode
 
 

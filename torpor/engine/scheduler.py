@@ -205,21 +205,29 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def retract(self) -> int:
+        """Every running sequence back to the front of the waiting queue, oldest first (SGLang's retract, vLLM's
+        reset of running requests): its KV blocks go, and its next prefill recomputes prompt and outputs. Returns
+        how many went back."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running.pop())
+        return count
+
     def reset_blocks(self) -> None:
         """Forget all KV-cache contents (the cache was discarded by sleep): running sequences
         are preempted (they recompute later) and the allocator returns to its cold state."""
-        while self.running:
-            self._preempt(self.running.pop())
+        self.retract()
         self.block_manager.reset()
 
     # --- results -------------------------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int],
                     logprobs: list[TokenLogprobs | None] | None = None,
-                    routed_experts: list | None = None) -> list[Sequence]:
-        """Append each sequence's sampled token (its logprobs, its routed experts: `SamplerOutput`'s) and finish
-        those that hit a stop condition (eos unless ignore_eos, stop_token_ids, max_tokens, max_model_len). Stop
-        strings need text: the engine checks them after detokenizing and calls `finish(seq, "stop", s)`.
-        Returns the sequences finished here."""
+                    routed_experts: list | None = None, weight_version: str | None = None) -> list[Sequence]:
+        """Append each sequence's sampled token (its logprobs, its routed experts: `SamplerOutput`'s; the label of
+        the weights that sampled it) and finish those that hit a stop condition (eos unless ignore_eos,
+        stop_token_ids, max_tokens, max_model_len). Stop strings need text: the engine checks them after
+        detokenizing and calls `finish(seq, "stop", s)`. Returns the sequences finished here."""
         if len(token_ids) != len(seqs) or (logprobs is not None and len(logprobs) != len(seqs)):
             raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} tokens / "
                              f"{None if logprobs is None else len(logprobs)} logprobs")
@@ -229,7 +237,7 @@ class Scheduler:
         for seq, token_id, token_logprobs, routed in zip(seqs, token_ids, logprobs, routed_experts, strict=True):
             if seq.status is FINISHED:  # aborted while its step ran: drop the token
                 continue
-            seq.append_token(token_id, token_logprobs, routed)
+            seq.append_token(token_id, token_logprobs, routed, weight_version)
             reason, stop_reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason, stop_reason)

@@ -82,6 +82,10 @@ class Sequence:
         self.num_registered_blocks = 0
         self.cache_epoch = -1
         self.num_prefix_cached_tokens = 0
+        # The weights that sampled the output tokens: (label, first output index) each time the label changed
+        # (a list that grows only then: one comparison per token), read as spans by `weight_version_spans`.
+        self.weight_version_starts: list[tuple[str, int]] = []
+        self._weight_version: str | None = None
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -128,9 +132,22 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is FINISHED
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None, routed_experts=None) -> None:
-        """Record a sampled token (with its logprobs, and the experts its forward pass chose: a numpy
-        [layers, top_k]); every token computed so far is now in the KV cache."""
+    def weight_version_spans(self) -> list[tuple[str, int, int]]:
+        """(label, start, end): output tokens [start, end) were sampled by the weights of that label, in order,
+        covering every output token ([] before the first)."""
+        starts, spans = self.weight_version_starts, []
+        for i, (version, start) in enumerate(starts):
+            spans.append((version, start, starts[i + 1][1] if i + 1 < len(starts) else self.num_output_tokens))
+        return spans
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None, routed_experts=None,
+                     weight_version: str | None = None) -> None:
+        """Record a sampled token (with its logprobs, the experts its forward pass chose: a numpy [layers,
+        top_k], and the label of the weights that sampled it); every token computed so far is now in the KV
+        cache."""
+        if weight_version is not None and weight_version != self._weight_version:
+            self.weight_version_starts.append((weight_version, self.num_output_tokens))
+            self._weight_version = weight_version
         self.num_cached_tokens = len(self.token_ids)
         self.shares_prefill, self.fork_copy = False, None
         self.token_ids.append(token_id)

@@ -12,7 +12,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 
 from torpor.engine.llm_engine import LLMEngine
-from torpor.server import control, openai_api, sglang_api, tokenize_api, vllm_api, weights_api
+from torpor.server import control, openai_api, rl_api, sglang_api, tokenize_api, vllm_api, weights_api
 from torpor.server.async_engine import AsyncEngine
 from torpor.server.auth import require_api_key
 from torpor.server.config import ServerConfig
@@ -65,6 +65,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.include_router(sglang_api.public_router)
     app.include_router(control.public_router)
     app.include_router(control.router)
+    app.include_router(rl_api.router)
     app.include_router(tokenize_api.router)
     app.include_router(weights_api.router)
     app.include_router(vllm_api.router)
@@ -89,7 +90,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     _add_docs(app)
     routers = (openai_api.router, sglang_api.router, sglang_api.public_router, control.public_router, control.router,
-               tokenize_api.router, weights_api.router, vllm_api.router)
+               rl_api.router, tokenize_api.router, weights_api.router, vllm_api.router)
     routes = {"/health", "/metrics", "/openapi.json", "/docs", "/redoc",
               *(r.path for router in routers for r in router.routes)}
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

@@ -5,7 +5,9 @@ request, sleep, wake, reload, an update, a reading) between steps, and steps whi
 blocks on its inbox (it never spins). The engine's outputs (finished ones and, for streaming requests, each
 step's text and token deltas) go back to the event loop with `call_soon_threadsafe`. The engine's state is
 published after every command. A step that raises fails the requests it was serving (they get the error) and the
-thread goes on; a sleep or wake resolves only once it is complete. Every control operation is logged: one INFO
+thread goes on; a sleep or wake resolves only once it is complete. A command that completes later (a pause that
+waits for the running requests, a flush that waits for none to run) leaves a waiter, checked after every command
+and step, with its deadline. Every control operation is logged: one INFO
 line when it succeeds (what, level or tags, seconds, bytes), a WARNING when it fails.
 
 The routes call only this API (never the `LLMEngine` behind it).
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torpor.engine.lifecycle import EngineState
+from torpor.engine.lifecycle import DEFERRED_TAGS, EngineState, LifecycleError
 from torpor.engine.llm_engine import LLMEngine, WakeResult
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
@@ -59,6 +61,18 @@ class SleepResult:
 _Command = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """A command that answers later, on the engine thread: once `ready()` holds (checked after every command and
+    every step) with `then()`, or past `deadline` (monotonic seconds; None: none) with `expired()`."""
+
+    ready: Callable[[], bool]
+    then: Callable[[], Any]
+    expired: Callable[[], Any]
+    deadline: float | None
+    future: asyncio.Future | None = None
+
+
 class AsyncEngine:
     """Serves one `LLMEngine`; once started, only the engine thread touches it."""
 
@@ -75,6 +89,7 @@ class AsyncEngine:
         self._idle_event: asyncio.Event | None = None  # set while the engine does not serve
         self.dead: BaseException | None = None
         self.state: EngineState = engine.state()  # written by the engine thread after every command
+        self._waiters: list[_Waiter] = []  # engine thread only
 
     @property
     def serving(self) -> bool:
@@ -88,6 +103,11 @@ class AsyncEngine:
     def weight_version(self) -> str:
         """The label of the weights served (any thread: a string read)."""
         return self._engine.weight_version
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks (tensor parallel; no pipeline or data parallelism)."""
+        return self._engine.executor.world_size
 
     def state_fields(self) -> dict:
         """What every control answer carries: whether a sleep level is set and whether requests run."""
@@ -161,8 +181,17 @@ class AsyncEngine:
     async def sleep(self, level: int = 1, mode: str = "wait") -> SleepResult:
         return await self._control("sleep", f"level {level}", self._sleep, self._engine.sleep, level, mode)
 
-    async def release_tags(self, tags: list[str], mode: str = "wait") -> SleepResult:
-        return await self._control("release", f"tags {tags}", self._sleep, self._engine.release_tags, tags, mode)
+    async def release_tags(self, tags: list[str], mode: str = "wait", strict: bool = False) -> SleepResult:
+        """`strict` (SGLang's routes): a tag that sleeps already is a ValueError naming it, nothing released."""
+        release = self._release_strict if strict else self._engine.release_tags
+        return await self._control("release", f"tags {tags}", self._sleep, release, tags, mode)
+
+    def _release_strict(self, tags: list[str], mode: str) -> Report | None:
+        asleep = [t for t in tags if self._engine.lifecycle.is_asleep(t)]
+        if asleep:
+            raise ValueError(f"release_memory_occupation: tag(s) {asleep} are released already; "
+                             "resume_memory_occupation first")
+        return self._engine.release_tags(tags, mode)
 
     def _sleep(self, operation: Callable[..., Report | None], *args: Any) -> SleepResult:
         before, start = self._engine.lifecycle.level, time.perf_counter()
@@ -170,8 +199,19 @@ class AsyncEngine:
         after = self._engine.lifecycle.level
         return SleepResult(report, after, after != before, time.perf_counter() - start)
 
-    async def wake_up(self, tags: list[str] | None = None) -> WakeResult:
-        return await self._control("wake_up", f"tags {tags or 'all'}", self._engine.wake_up, tags)
+    async def wake_up(self, tags: list[str] | None = None, strict: bool = False) -> WakeResult:
+        """`strict` (SGLang's routes): a named tag that is not released is a ValueError naming it, nothing woken
+        (`weights` and `kv_cache` always; the others only while nothing sleeps, since any wake restores them)."""
+        wake = self._wake_strict if strict and tags is not None else self._engine.wake_up
+        return await self._control("wake_up", f"tags {tags or 'all'}", wake, tags)
+
+    def _wake_strict(self, tags: list[str]) -> WakeResult:
+        lc = self._engine.lifecycle
+        nothing_asleep = not any(lc.is_asleep(t) for t in lc.tags)
+        awake = [t for t in tags if t in lc.tags and not lc.is_asleep(t) and (t in DEFERRED_TAGS or nothing_asleep)]
+        if awake:
+            raise ValueError(f"resume_memory_occupation: tag(s) {awake} are not released")
+        return self._engine.wake_up(tags)
 
     async def reload_weights(self, path: str | None = None) -> float:
         """The reload's seconds on the engine thread."""
@@ -182,24 +222,26 @@ class AsyncEngine:
         return await self._control("update_weights", "in process", self._engine.update_weights, named_tensors)
 
     async def update_weights_from_tensor(self, serialized: list[str], load_format: str | None, flush_cache: bool,
-                                         push: PushPosition | None) -> int:
+                                         push: PushPosition | None, version: str | None = None) -> int:
         """A whole request on the engine thread (the pipeline's path when nothing is in flight beside it)."""
-        return await self._call(self.push_unstaged, serialized, load_format, flush_cache, push)
+        return await self._call(self.push_unstaged, serialized, load_format, flush_cache, push, version)
 
     def push_unstaged(self, serialized, load_format: str | None, flush_cache: bool,
-                      push: PushPosition | None) -> int:
-        """Engine thread (the pipeline queues it in its push's order)."""
+                      push: PushPosition | None, version: str | None = None) -> int:
+        """Engine thread (the pipeline queues it in its push's order); `version`: the weights' label once the
+        update commits."""
         with self._engine.weights.keeping(push):
-            return self._engine.update_weights_from_tensor(serialized, load_format, flush_cache, None, push)
+            return self._engine.update_weights_from_tensor(serialized, load_format, flush_cache, None, push, version)
 
     def stage(self, serialized: list[str], load_format: str | None) -> StagedUpdate:
         """The pipeline's staging thread: open and check a payload while the engine thread copies another."""
         return self._engine.weights.stage(serialized, load_format)
 
-    def push_staged(self, staged: StagedUpdate, flush_cache: bool, push: PushPosition | None) -> int:
+    def push_staged(self, staged: StagedUpdate, flush_cache: bool, push: PushPosition | None,
+                    version: str | None = None) -> int:
         """Engine thread: the copy of a staged payload."""
         with self._engine.weights.keeping(push):
-            return self._engine.weights.apply_staged(staged, flush_cache, push)
+            return self._engine.weights.apply_staged(staged, flush_cache, push, version)
 
     def discard_staged(self, staged: StagedUpdate) -> None:
         """Engine thread: release a staged payload that will not be copied."""
@@ -241,7 +283,8 @@ class AsyncEngine:
                             master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, flush_cache: bool, timeout: float) -> int:
+                                              group_name: str, flush_cache: bool, timeout: float,
+                                              version: str | None = None) -> int:
         """Every rank receives the trainer's broadcasts on a thread of its own while the engine thread goes on
         serving on the old weights; once all arrived, the copy runs on the engine thread. A trainer that stops
         broadcasting is given up after `timeout` seconds (the group is destroyed, nothing was written)."""
@@ -255,7 +298,7 @@ class AsyncEngine:
                 if time.monotonic() > deadline:
                     await self._call(weights.wait_receive, group_name, 0.0, timeout)  # gives the group up, raises
                 await asyncio.sleep(RECEIVE_POLL_S)
-            count = await self._call(weights.apply_received, names, group_name, flush_cache)
+            count = await self._call(weights.apply_received, names, group_name, flush_cache, version)
         except Exception as exc:
             _log_failure("update_weights_from_distributed", what, exc)
             raise
@@ -353,8 +396,36 @@ class AsyncEngine:
         return await self._control("destroy_weights_update_group", repr(group_name),
                                    self._engine.destroy_weights_update_group, group_name)
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self._call(self._engine.reset_prefix_cache)
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return await self._call(self._engine.reset_prefix_cache, reset_running_requests)
+
+    async def flush_cache(self, timeout: float = 0.0) -> tuple[bool, str]:
+        """SGLang's flush: the prefix cache reset once no request runs or waits, waiting at most `timeout` seconds
+        for that; (done, why not)."""
+        return await self._call(self._flush, timeout)
+
+    # ---- pause, resume, abort, weight labels ---------------------------------------------------
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
+                               timeout: float | None = None) -> None:
+        """`LLMEngine.pause_generation`; with "wait" the engine thread goes on stepping (and answering commands)
+        until the running requests finished, at most `timeout` seconds (None: as long as they run)."""
+        await self._control("pause_generation", f"mode {mode}", self._pause, mode, clear_cache, timeout)
+
+    async def resume_generation(self, empty_cache: bool = False) -> None:
+        await self._control("resume_generation", "", self._engine.resume_generation, empty_cache)
+
+    async def is_paused(self) -> bool:
+        return await self._call(self._engine.is_paused)
+
+    async def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> int:
+        """Abort the given requests (None: every one; `prefix`: those whose id starts with it, SGLang's match),
+        without pausing; their streams end with finish_reason "abort". Returns how many were aborted."""
+        return await self._control("abort_requests", f"{len(request_ids or ())} ids" if prefix is None else
+                                   f"ids starting with {prefix!r}", self._abort_requests, request_ids, prefix)
+
+    async def update_weight_version(self, version: str) -> None:
+        """Label the weights (between two steps: every token after it carries the new label)."""
+        await self._control("update_weight_version", repr(version), self._engine.update_weight_version, version)
 
     async def is_sleeping(self) -> bool:
         return await self._call(self._engine.is_sleeping)
@@ -405,7 +476,7 @@ class AsyncEngine:
             while True:
                 try:
                     while True:  # commands first: they are cheap, and a sleep must not wait behind work
-                        command = self._inbox.get(block=not self._engine.has_work())
+                        command = self._inbox.get(block=not self._engine.has_work(), timeout=self._next_deadline())
                         if command is None:
                             self._fail_all(EngineDeadError("the server is shutting down"))
                             self._fail_commands(EngineDeadError("the server is shutting down"))
@@ -428,11 +499,91 @@ class AsyncEngine:
             result = fn(*args)
         except Exception as exc:
             error = exc
-        if not self._engine.serving:
-            self._step()  # hands out what a sleep finished (drained or aborted); runs nothing
+        if not self._engine.serving or self._engine.has_pending_outputs():
+            self._step()  # hands out what a sleep or an abort finished (drained or aborted)
         self._publish_state()
-        if future is not None:
+        if isinstance(result, _Waiter):  # it answers later (checked now, then after every command and step)
+            result.future = future
+            self._waiters.append(result)
+        elif future is not None:
             self._post(_resolve, future, result, error)
+        self._check_waiters()
+
+    def _check_waiters(self) -> None:
+        if not self._waiters:
+            return
+        now = time.monotonic()
+        for waiter in list(self._waiters):
+            ready = waiter.ready()
+            if not ready and (waiter.deadline is None or now < waiter.deadline):
+                continue
+            self._waiters.remove(waiter)
+            result, error = None, None
+            try:
+                result = waiter.then() if ready else waiter.expired()
+            except Exception as exc:
+                error = exc
+            self._publish_state()
+            if waiter.future is not None:
+                self._post(_resolve, waiter.future, result, error)
+
+    def _next_deadline(self) -> float | None:
+        """Seconds until the nearest waiter's deadline (None: none has one): how long the idle thread may block."""
+        deadlines = [w.deadline for w in self._waiters if w.deadline is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _pause(self, mode: str, clear_cache: bool, timeout: float | None) -> _Waiter | None:
+        """Engine thread: the pause at once, or (mode "wait" with requests running) a waiter that completes it once
+        none runs. If they cannot finish (a sleep froze them) or `timeout` passes, the pause is undone."""
+        engine, lc = self._engine, self._engine.lifecycle
+        before = lc.paused
+        if engine.begin_pause(mode, clear_cache):
+            return None
+        scheduler = engine.scheduler
+
+        def stuck() -> bool:  # a sleep or another pause froze them (an update in progress ends by itself)
+            return not lc.may_run() and lc.updating is None
+
+        def then() -> None:
+            if scheduler.running:
+                undo()
+                raise LifecycleError(f"pause_generation(mode='wait'): {len(scheduler.running)} running requests cannot "
+                                     f"finish: {engine.state().not_serving_reason()}; the pause is undone")
+            engine.finish_pause(clear_cache)
+
+        def expired() -> None:
+            undo()
+            raise LifecycleError(f"pause_generation(mode='wait'): {len(scheduler.running)} requests still ran after "
+                                 f"{timeout:g} s; the pause is undone")
+
+        def undo() -> None:
+            if lc.paused != "new":  # another pause (or a resume) came since: it stands
+                return
+            if before is None:
+                lc.resume()
+            else:
+                lc.pause(before)
+
+        return _Waiter(lambda: not scheduler.running or stuck(), then, expired,
+                       None if timeout is None else time.monotonic() + timeout)
+
+    def _flush(self, timeout: float) -> _Waiter:
+        scheduler = self._engine.scheduler
+
+        def refused() -> tuple[bool, str]:
+            return False, (f"Cache not flushed because there are pending requests. #queue-req: "
+                           f"{len(scheduler.waiting)}, #running-req: {len(scheduler.running)}")
+
+        def flush() -> tuple[bool, str]:
+            self._engine.reset_prefix_cache()
+            return True, ""
+
+        return _Waiter(scheduler.is_finished, flush, refused, time.monotonic() + timeout)
+
+    def _abort_requests(self, request_ids: list[str] | None, prefix: str | None) -> int:
+        if prefix is not None:
+            request_ids = [r for r in self._engine.request_ids() if r.startswith(prefix)]
+        return len(self._engine.abort_requests(request_ids))
 
     def _step(self) -> None:
         try:
@@ -450,6 +601,7 @@ class AsyncEngine:
                 deliveries.append((request_queue, output))
         if deliveries:
             self._post(_deliver, deliveries)
+        self._check_waiters()
 
     def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: bool,
              request_queue: asyncio.Queue) -> None:
@@ -473,7 +625,11 @@ class AsyncEngine:
             self._post(_deliver, deliveries)
 
     def _fail_commands(self, error: BaseException) -> None:
-        """Answer every command still queued with `error` (the thread is ending)."""
+        """Answer every command still queued (or waiting) with `error` (the thread is ending)."""
+        for waiter in self._waiters:
+            if waiter.future is not None:
+                self._post(_resolve, waiter.future, None, error)
+        self._waiters.clear()
         while True:
             try:
                 command = self._inbox.get_nowait()
@@ -486,7 +642,8 @@ class AsyncEngine:
         state = self._engine.state()
         memory = self._engine.memory_usage() if self._engine.memory is not None else None
         return {"num_running": state.num_running, "num_waiting": state.num_waiting, "serving": state.serving,
-                "memory": memory, "prefix_cache": self._engine.prefix_cache_stats()}
+                "sleep_level": state.sleep_level, "paused": state.paused, "memory": memory,
+                "prefix_cache": self._engine.prefix_cache_stats()}
 
     def _publish_state(self) -> None:
         state = self._engine.state()

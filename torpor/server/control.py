@@ -1,7 +1,7 @@
 """The control plane: sleep, wake, reload, memory, plus the aliases RL frameworks already call (`/collective_rpc`,
 `/release_memory_occupation`, `/resume_memory_occupation`, `/reset_prefix_cache`, `/flush_cache`). Every endpoint
 needs the admin token except `GET /is_sleeping`, which is public (vLLM clients and RL frameworks poll it, and it
-tells nothing but a boolean).
+tells nothing but a boolean). Pause, resume, abort and weight labels are in rl_api.py.
 
 Every operation runs in the engine thread between steps and answers once it is complete, with the engine's state
 after it: `is_sleeping` (a sleep level is set) and `serving` (requests run). Levels, modes and tags are checked by
@@ -20,7 +20,13 @@ SGLang's memory-occupation tags are engine tags of the same name: `weights` (off
 SGLang's `enable_weights_cpu_backup`), `kv_cache` (discarded), `cuda_graph` (offloaded); the engine's own `runtime`
 and `workspace` tags may be named too. `release_memory_occupation` with `tags` releases only those (each with its
 level-1 action); without `tags` it sleeps at level 1. `resume_memory_occupation` wakes the named tags (any wake also
-restores runtime, workspace and cuda_graph), or everything.
+restores runtime, workspace and cuda_graph), or everything. As SGLang's, they refuse (400 naming the tags) a
+release of a tag released already and a resume of one that is not (`weights` and `kv_cache`; the others, which
+any wake restores, only while nothing sleeps); vLLM's `/sleep` and `/wake_up` keep their no-op semantics.
+
+vLLM's `/reset_prefix_cache?reset_running_requests=&reset_external=` always resets (the running requests recompute
+first when asked); SGLang's `/flush_cache?timeout=` resets only once no request runs or waits, waiting up to
+`timeout` seconds (default 0) for that, else a 400 with SGLang's text.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from torpor.engine import rpc
@@ -48,6 +54,8 @@ if TYPE_CHECKING:
 router = APIRouter(dependencies=[Depends(require_admin)])
 public_router = APIRouter()  # GET /is_sleeping
 SGLANG_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache",), "cuda_graph": ("cuda_graph",)}
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+           "the operation will not be performed.)\n")  # SGLang's answer
 NO_CHECKPOINT = ("no loadable checkpoint at that path (a folder with config-compatible *.safetensors weights, "
                  "inside the allowed weights directory)")
 
@@ -105,7 +113,8 @@ _DISK_REFUSED = (
 @router.post("/sleep")
 async def sleep(request: Request, level: int = 1, mode: str = "wait") -> dict:
     """Sleep at `level` (0 pause, 1 offload weights, 2 discard weights, 3 and 4: 1 and 2 plus the CUDA
-    context released); `mode`: running requests finish first ("wait") or are aborted ("abort")."""
+    context released); `mode`: running requests finish first ("wait"), are aborted ("abort") or kept ("keep":
+    they continue after the wake; vLLM's default is "abort")."""
     return await _sleep(request.app.state.server, level, mode)
 
 
@@ -223,21 +232,29 @@ async def release_memory_occupation(request: Request, body: TagsRequest | None =
 async def resume_memory_occupation(request: Request, body: TagsRequest | None = None) -> dict:
     """SGLang's form: wake the named tags, or everything."""
     tags = body.tags if body else None
-    return {"success": True, **await _wake(request.app.state.server, None if tags is None else _engine_tags(tags))}
+    server: ServerState = request.app.state.server
+    return {"success": True, **await _wake(server, None if tags is None else _engine_tags(tags), strict=True)}
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(request: Request) -> dict:
-    """vLLM's form: forget every KV block cached for prefix reuse."""
+async def reset_prefix_cache(request: Request, reset_running_requests: bool = False,
+                             reset_external: bool = False) -> dict:
+    """vLLM's form: forget every KV block cached for prefix reuse; `reset_running_requests`: the running requests
+    recompute their KV (back to the waiting queue first); `reset_external`: accepted (no external KV connector)."""
     server: ServerState = request.app.state.server
-    return {"success": await engine_call(server.engine.reset_prefix_cache())}
+    return {"success": await engine_call(server.engine.reset_prefix_cache(reset_running_requests))}
 
 
 @router.post("/flush_cache", operation_id="flush_cache")
 @router.get("/flush_cache", operation_id="flush_cache_get")
-async def flush_cache(request: Request) -> dict:
-    """SGLang's form of /reset_prefix_cache (SGLang serves it for GET and POST; slime GETs it)."""
-    return await reset_prefix_cache(request)
+async def flush_cache(request: Request, timeout: float = 0.0) -> PlainTextResponse:
+    """SGLang's: reset the prefix cache once no request runs or waits, waiting up to `timeout` seconds for that;
+    SGLang's text, 200, or 400 when requests still ran (SGLang serves it for GET and POST; verl GETs it until 200)."""
+    if not 0 <= timeout < float("inf"):
+        raise APIError(400, f"timeout must be a number of seconds >= 0, got {timeout}", param="timeout")
+    server: ServerState = request.app.state.server
+    flushed, why = await engine_call(server.engine.flush_cache(timeout))
+    return PlainTextResponse(FLUSHED if flushed else why + "\n", status_code=200 if flushed else 400)
 
 
 # ---- the operations -----------------------------------------------------------------------------
@@ -250,16 +267,16 @@ async def _sleep(server: ServerState, level: int = 1, mode: str = "wait") -> dic
 
 
 async def _release(server: ServerState, tags: list[str]) -> dict:
-    result = await engine_call(server.engine.release_tags(tags, "wait"))
+    result = await engine_call(server.engine.release_tags(tags, "wait", strict=True))
     released = [t.tag for t in result.report.tags] if result.report is not None else []
     return _answer(server, "sleep", result.seconds, result.report, level=result.level, released=released,
                    changed=result.changed, sleep_level=1)
 
 
-async def _wake(server: ServerState, tags: list[str] | None = None) -> dict:
-    if tags is not None:
-        _checked(check_tags, tags, "tags")
-    result = await engine_call(server.engine.wake_up(tags))
+async def _wake(server: ServerState, tags: list[str] | None = None, strict: bool = False) -> dict:
+    if tags is not None:  # vLLM's virtual "scheduling" ends a level-0 sleep
+        _checked(lambda named: check_tags(named, (*SLEEP_TAGS, "scheduling")), tags, "tags")
+    result = await engine_call(server.engine.wake_up(tags, strict))
     return _answer(server, "wake", result.seconds, result.report, woken=list(result.woken), changed=True)
 
 

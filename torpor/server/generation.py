@@ -1,7 +1,7 @@
 """Engine requests for the HTTP generation routes (OpenAI's and SGLang's).
 
-`submit` refuses at once what the engine would refuse (asleep or not), waits for a sleeping engine (or
-answers 503 after the asleep timeout), then queues one engine request per prompt. `results` waits for
+`submit` refuses at once what the engine would refuse (asleep or not), waits for a sleeping (or paused) engine
+(or answers 503 after the asleep timeout), then queues one engine request per prompt. `results` waits for
 their final outputs, `outputs` streams them; either way a client that goes away aborts its requests,
 and a sleep that outlasts the timeout while they are queued ends them with the same 503.
 """
@@ -164,7 +164,8 @@ def not_served_error(server: ServerState, timeout: float) -> APIError:
     if not server.engine.alive:
         return APIError(503, ENGINE_STOPPED, code="engine_dead")
     state = server.engine.state
-    code = "weights_discarded" if not state.is_sleeping and not state.weights_valid else "engine_asleep"
+    code = "weights_discarded" if not state.is_sleeping and not state.weights_valid else \
+        "generation_paused" if not state.is_sleeping and state.paused is not None else "engine_asleep"
     return APIError(503, f"the engine did not serve within {timeout:g} s: {state.not_serving_reason()}", code=code)
 
 

@@ -7,11 +7,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SLEEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 MEMORY_KINDS = ("reserved", "resident", "offloaded", "discarded", "allocated")
+PAUSE_SCOPES = ("new", "all")  # pause_generation: no new request starts / nothing runs
 
 
 class Metrics:
-    """HTTP requests, tokens, request latency; sleeps and wakes; per-tag memory and the queue, read
-    from the engine at every scrape."""
+    """HTTP requests, tokens, request latency; sleeps and wakes; per-tag memory, the sleep level, the pause and
+    the queue, read from the engine at every scrape."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -29,7 +30,11 @@ class Metrics:
         self.memory_bytes = Gauge("torpor_memory_bytes", "bytes of each memory tag by kind", ["tag", "kind"],
                                   registry=r)
         self.tag_asleep = Gauge("torpor_tag_asleep", "1 while the tag sleeps", ["tag"], registry=r)
-        self.sleep_level = Gauge("torpor_sleep_level", "the engine's sleep level (-1: awake)", registry=r)
+        self.sleep_level = Gauge("torpor_sleep_level", "the engine's sleep level (-1: awake; 0 scheduling paused, "
+                                 "1-4 memory released)", registry=r)
+        self.paused = Gauge("torpor_generation_paused", "1 while generation is paused (pause_generation), by scope: "
+                            "new (no new request starts) or all (nothing runs); their sum: paused at all",
+                            ["scope"], registry=r)
         self.serving = Gauge("torpor_serving", "1 while the engine serves requests", registry=r)
         self.device_used = Gauge("torpor_device_used_bytes", "device memory in use", registry=r)
         self.num_running = Gauge("torpor_num_requests_running", "requests in the running batch", registry=r)
@@ -51,6 +56,9 @@ class Metrics:
         self.num_running.set(stats["num_running"])
         self.num_waiting.set(stats["num_waiting"])
         self.serving.set(int(stats["serving"]))
+        self.sleep_level.set(-1 if stats["sleep_level"] is None else stats["sleep_level"])
+        for scope in PAUSE_SCOPES:
+            self.paused.labels(scope).set(int(stats["paused"] == scope))
         prefix_cache = stats.get("prefix_cache")
         if prefix_cache is not None:
             self.prefix_cache_queries.set(prefix_cache["queries"])
@@ -59,7 +67,6 @@ class Metrics:
         memory = stats["memory"]
         if memory is None:
             return
-        self.sleep_level.set(-1 if memory["level"] is None else memory["level"])
         if memory["device_used_bytes"] is not None:
             self.device_used.set(memory["device_used_bytes"])
         for tag, usage in memory["tags"].items():

@@ -72,7 +72,20 @@ OK_SCHEMAS = {
                                            "report": REPORT}, released={"type": "array", "items": STRING}),
     "/resume_memory_occupation": _object({"success": BOOL, "woken": {"type": "array", "items": STRING}, **STATE,
                                           "seconds": NUMBER, "report": REPORT}),
+    "/reset_prefix_cache": _object({"success": BOOL}),
+    "/pause": _object({"status": STRING}),
+    "/resume": _object({"status": STRING}),
+    "/is_paused": _object({"is_paused": BOOL}),
+    "/abort_requests": _object({"status": STRING, "aborted": INT}),
+    "/get_world_size": _object({"world_size": INT}),
+    "/weight_info": _object({"weight_version": STRING}),
+    "/update_weight_version": _object({"success": BOOL, "message": STRING, "new_version": STRING}),
+    "/pause_generation": _object({"message": STRING, "status": STRING}),
+    "/continue_generation": _object({"message": STRING, "status": STRING}),
 }
+# vLLM's error body on its pause routes, `{"error": "..."}`, beside the OpenAI shape (validation, auth)
+VLLM_ERRORS = {"/pause": ("400", "500"), "/resume": ("500",), "/abort_requests": ("500",)}
+TEXT = {"text/plain": {"schema": STRING}}
 # One server-sent event (the schema applies to each): `data` is a JSON chunk, the last one `[DONE]`.
 EVENT_STREAM = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "one event of the stream (with \"stream\": true): "
@@ -109,6 +122,15 @@ def _correct(path: str, operation: dict) -> None:
         responses["200"] = {"description": "a one-token generation worked"}
         responses["503"] = {"description": "the engine does not serve (asleep, weights discarded, stopped) or did "
                                            "not answer within 20 s"}
+    for status in VLLM_ERRORS.get(path, ()):
+        responses[status] = {**responses[status], "content": {"application/json": {"schema": {"anyOf": [
+            {"$ref": "#/components/schemas/ErrorResponse"}, _object({"error": STRING})]}}}}
+    if path == "/flush_cache":  # SGLang's text, 200 flushed or 400 not
+        ok["content"] = dict(TEXT)
+        responses["400"] = {"description": "not flushed: requests still ran or waited (SGLang's text), or an invalid "
+                                           "timeout", "content": {**TEXT, **error["content"]}}
+    if path == "/abort_request":  # SGLang's: 200, empty
+        ok.pop("content", None)
     if path in STREAMING_PATHS:
         ok.setdefault("content", {}).update(EVENT_STREAM)
     elif path == "/metrics":

@@ -4,7 +4,9 @@ Each choice carries vLLM's `stop_reason` and `token_ids`; completions choices `p
 `prompt_token_ids` (chat: at the top level); those are null unless asked for (`return_token_ids`,
 `prompt_logprobs`, or `echo` with logprobs, which computes them). Logprob tokens are the token's text,
 or "token_id:N" with `return_tokens_as_token_ids`. Usage carries `prompt_tokens_details.cached_tokens`
-(prompt tokens found in the prefix cache). The text, streamed deltas included, comes from the engine.
+(prompt tokens found in the prefix cache). The text, streamed deltas included, comes from the engine. Each
+finished choice carries vLLM's `weight_versions`, `[{"version", "start", "end"}]`: the weights that sampled each
+span of its output tokens (streamed: on its last chunk, null before).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
     if num_cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
     return body
+
+
+def weight_versions(completion: CompletionOutput) -> list[dict] | None:
+    """vLLM's `weight_versions` of a choice: its spans once finished, else None."""
+    spans = completion.weight_versions
+    return None if spans is None else [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
 
 
 def _routed(routed_experts) -> dict:
@@ -156,6 +164,7 @@ class CompletionFormat(ResponseFormat):
                 "logprobs": None if self.num_logprobs is None else self._logprobs(token_ids, logprobs, index),
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 "token_ids": list(shown) if self.return_token_ids else None,
+                "weight_versions": weight_versions(completion),
                 **_routed(completion.delta_routed_experts if delta else completion.routed_experts)}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs | None], index: int) -> dict:
@@ -206,7 +215,7 @@ class ChatFormat(ResponseFormat):
                             "finish_reason": "tool_calls" if calls else completion.finish_reason,
                             "stop_reason": completion.stop_reason,
                             "token_ids": list(completion.token_ids) if self.return_token_ids else None,
-                            **_routed(completion.routed_experts)})
+                            "weight_versions": weight_versions(completion), **_routed(completion.routed_experts)})
         return self._envelope(self.object, choices, usage=self.totals(outputs),
                               prompt_logprobs=self.prompt_logprobs(out),
                               prompt_token_ids=self.prompt_token_ids if self.return_token_ids else None)
@@ -255,7 +264,7 @@ class ChatFormat(ResponseFormat):
             self._ended.add(index)
         choice = {"index": index, "delta": delta, "logprobs": self._logprobs(token_ids, logprobs),
                   "finish_reason": finish, "stop_reason": completion.stop_reason,
-                  **_routed(completion.delta_routed_experts)}
+                  "weight_versions": weight_versions(completion), **_routed(completion.delta_routed_experts)}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return self._envelope(self.chunk_object, [choice], **self._continuous_usage(output, completion))

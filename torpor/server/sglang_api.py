@@ -6,7 +6,9 @@
 samples each). `meta_info`: `id` (the request id: `rid`, `{rid}_{i}` in a batch, a fresh hex id per
 sample when n > 1), `finish_reason` (`{"type": "stop", "matched": stop string or token id}`,
 `{"type": "length", "length": max_new_tokens}`, `{"type": "abort", "message"}`; null while streaming),
-`prompt_tokens`, `completion_tokens`, `cached_tokens`, `weight_version`, `e2e_latency` (once finished),
+`prompt_tokens`, `completion_tokens`, `cached_tokens`, `weight_version` (the label now), `weight_versions`
+(torpor's, vLLM's spans: the weights that sampled each span of the output, once finished; null before),
+`e2e_latency` (once finished),
 and with `return_logprob` `input_token_logprobs` / `output_token_logprobs` as `[logprob, token id,
 text or null]` (the first prompt token's logprob is null) plus, with `top_logprobs_num`,
 `input_top_logprobs` / `output_top_logprobs` (a list of such entries per position). Streaming sends
@@ -37,6 +39,7 @@ from torpor.server.errors import APIError, engine_error, json_text
 from torpor.server.generation import Submitted, outputs, results, submit
 from torpor.server.prompts import prompts_of
 from torpor.server.protocol import check_unicode
+from torpor.server.responses import weight_versions
 from torpor.server.sglang_protocol import GenerateRequest, Item, normalize
 
 if TYPE_CHECKING:
@@ -158,7 +161,9 @@ class GenerateFormat:
                                 "prompt_tokens": len(output.prompt_token_ids),
                                 # the label now, as SGLang reads it for every output (an update may come mid-request)
                                 "weight_version": self.engine.weight_version,
-                                "completion_tokens": len(token_ids), "cached_tokens": output.num_cached_tokens}
+                                "completion_tokens": len(token_ids), "cached_tokens": output.num_cached_tokens,
+                                "weight_versions": [] if prefill_only and completion.finished else
+                                weight_versions(completion)}
         if item.return_logprob:
             self._logprobs(meta, item, output, token_ids, [] if prefill_only else completion.logprobs or [])
         if completion.finished:

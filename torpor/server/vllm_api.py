@@ -7,8 +7,7 @@
 - `POST /update_weights {"update_info": {...}}` -> `{"message": "Weights updated"}` once every rank received and
   copied the chunk (nccl: after the trainer's broadcast, which it runs while this request is pending)
 - `POST /finish_weight_update` (optional `{"weight_version": str}`) -> `{"message": "Weight update finished"}`
-- `GET /get_world_size?include_dp=true` -> `{"world_size": tensor_parallel_size}` (what a trainer sizes the nccl
-  group with: this plus its own rank)
+(`GET /get_world_size`, what a trainer sizes the nccl group with, is in rl_api.py.)
 
 The engine's rule (engine/weights/transfer.py): nothing runs from start to finish, a chunk refused or failed ends
 the update as a failure, and an update with no call for `push_idle_timeout_s` is given up (its trainer died or
@@ -100,12 +99,6 @@ async def finish_weight_update(request: Request, body: FinishRequest | None = No
     _cancel_timer(server)
     server.transfer_update = None
     return {"message": "Weight update finished"}
-
-
-@router.get("/get_world_size")
-async def get_world_size(request: Request, include_dp: bool = True) -> dict:
-    """The engine's ranks (one engine: no data parallelism, so `include_dp` changes nothing)."""
-    return {"world_size": request.app.state.server.engine.config.tensor_parallel_size}
 
 
 # ---- the idle timeout of an update in progress ------------------------------------------------------------

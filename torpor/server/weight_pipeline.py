@@ -126,15 +126,16 @@ class WeightPipeline:
             timer.cancel()
 
     async def update(self, serialized: Any, load_format: str | None, flush_cache: bool,
-                     push: PushPosition | None) -> tuple[int, dict[str, float]]:
+                     push: PushPosition | None, version: str | None = None) -> tuple[int, dict[str, float]]:
         """One request: (tensors loaded, seconds per phase: the engine thread's, plus `stage` and its phases
         when it was staged off the engine thread). A request that finds no other in flight runs wholly on the
-        engine thread (nothing to overlap with: a thread hop less); one that finds another is staged."""
+        engine thread (nothing to overlap with: a thread hop less); one that finds another is staged. `version`:
+        the weights' label once the update commits (with this request or, in a push, its last)."""
         self._active += 1
         failed = False
         owner = object() if push is None else push.push_id
         try:
-            return await self._update(serialized, load_format, flush_cache, push, owner)
+            return await self._update(serialized, load_format, flush_cache, push, owner, version)
         except BaseException as exc:
             order = None if push is None else self._pushes.get(push.push_id)
             if order is not None and order.failed_at is not None:  # the push failed: it ends now, as a failure
@@ -165,7 +166,7 @@ class WeightPipeline:
                 self._slot.notify_all()
 
     async def _update(self, serialized: Any, load_format: str | None, flush_cache: bool,
-                      push: PushPosition | None, owner: object) -> tuple[int, dict[str, float]]:
+                      push: PushPosition | None, owner: object, version: str | None) -> tuple[int, dict[str, float]]:
         if not isinstance(flush_cache, bool):
             raise ValueError(f"flush_cache must be true or false, got {flush_cache!r}")
         order = self._order(push)
@@ -177,9 +178,10 @@ class WeightPipeline:
             await self._skip_turn(order, index)
             raise RuntimeError(refusal)
         if not self._stageable(serialized):
-            return await self._in_turn(order, index, owner, self._unstaged, serialized, load_format, flush_cache, push)
+            return await self._in_turn(order, index, owner, self._unstaged, serialized, load_format, flush_cache, push,
+                                       version)
         staged = await self._stage(order, index, serialized, load_format)
-        count, timings = await self._in_turn(order, index, owner, self._apply, staged, flush_cache, push,
+        count, timings = await self._in_turn(order, index, owner, self._apply, staged, flush_cache, push, version,
                                              staged=staged)
         return count, _merged(staged.timings, timings)
 
@@ -281,22 +283,22 @@ class WeightPipeline:
             self.engine.submit(self.engine.discard_staged, future.result())
 
     def _apply(self, order: PushOrder | None, index: int, staged: StagedUpdate,
-               flush_cache: bool, push: PushPosition | None) -> int:
+               flush_cache: bool, push: PushPosition | None, version: str | None) -> int:
         """Engine thread: the staged copy, unless an earlier request of its push failed."""
         refusal = order.refusal(index) if order is not None else None
         if refusal is not None:
             self.engine.discard_staged(staged)
             raise RuntimeError(refusal)
-        return _failing(order, index, self.engine.push_staged, staged, flush_cache, push)
+        return _failing(order, index, self.engine.push_staged, staged, flush_cache, push, version)
 
     def _unstaged(self, order: PushOrder | None, index: int, serialized: Any, load_format: str | None,
-                  flush_cache: bool, push: PushPosition | None) -> int:
+                  flush_cache: bool, push: PushPosition | None, version: str | None) -> int:
         """Engine thread: the whole request there (none other in flight; tensor parallel; malformed entries get
         their error)."""
         refusal = order.refusal(index) if order is not None else None
         if refusal is not None:
             raise RuntimeError(refusal)
-        return _failing(order, index, self.engine.push_unstaged, serialized, load_format, flush_cache, push)
+        return _failing(order, index, self.engine.push_unstaged, serialized, load_format, flush_cache, push, version)
 
 
 def _failing(order: PushOrder | None, index: int, fn: Callable[..., int], *args: Any) -> int:

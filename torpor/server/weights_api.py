@@ -7,6 +7,10 @@
   "group_name", "flush_cache"}, `POST /destroy_weights_update_group` {"group_name"}: a process group
   to the trainer (its rank 0 broadcasts every tensor in order).
 
+Both updates take SGLang's `weight_version` (the weights' label, set only when the update commits: with the request,
+or a push's last; SGLang's message then says "Weight version updated to ...") and `abort_all_requests` (every
+request is aborted before the update, its output ending with finish_reason "abort").
+
 The payloads are unpickled by a restricted unpickler (torch tensors and storages only, see
 torpor/engine/weights/payload.py); anything else is a 400 and is never called. Weights asleep: 409.
 Success answers `{"success": true, "message", "num_tensors", "seconds", "is_sleeping", "serving"}`;
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
+from torpor.engine.weights.receiver import check_version
 from torpor.engine.weights.transport import DEFAULT_GROUP_TIMEOUT_S
 from torpor.server import weight_pipeline
 from torpor.server.auth import require_admin
@@ -40,8 +45,20 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
 
 
-class UpdateFromTensorRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # SGLang clients send more (weight_version, ...)
+class UpdateRequest(BaseModel):
+    """What both updates share: SGLang's label of the new weights and its abort-first."""
+
+    weight_version: StrictStr | None = None
+    abort_all_requests: StrictBool = False
+
+    @field_validator("weight_version")
+    @classmethod
+    def _version(cls, version: str | None) -> str | None:
+        return None if version is None else check_version(version)
+
+
+class UpdateFromTensorRequest(UpdateRequest):
+    model_config = ConfigDict(extra="ignore")  # SGLang clients send more (disable_draft_model, ...)
     serialized_named_tensors: list[StrictStr]
     load_format: StrictStr | None = None
     flush_cache: StrictBool = True
@@ -67,7 +84,7 @@ class InitGroupRequest(BaseModel):
         return port
 
 
-class UpdateFromDistributedRequest(BaseModel):
+class UpdateFromDistributedRequest(UpdateRequest):
     model_config = ConfigDict(extra="ignore")
     names: list[StrictStr]
     dtypes: list[StrictStr]
@@ -110,14 +127,18 @@ async def destroy_weights_update_group(body: DestroyGroupRequest, request: Reque
 
 async def _update_from_tensor(server: ServerState, serialized_named_tensors: list[str], load_format: str | None = None,
                               flush_cache: bool = True, push: weight_pipeline.PushPosition | None = None,
+                              weight_version: str | None = None, abort_all_requests: bool = False,
                               **_: Any) -> dict:
     """Opened and checked off the engine thread, copied on it, in the push's order (weight_pipeline.py)."""
     start = time.perf_counter()
+    if abort_all_requests:
+        await engine_call(server.engine.abort_requests(None))
     if server.weights is None:
         server.weights = weight_pipeline.WeightPipeline(server.engine, server.config.push_idle_timeout_s)
     count, timings = await engine_call(server.weights.update(serialized_named_tensors, load_format, flush_cache,
-                                                             push))
-    return {**_done(server, f"loaded {count} tensors", start, count), "timings": timings}
+                                                             push, weight_version))
+    labelled = weight_version if push is None or push.last else None
+    return {**_done(server, f"loaded {count} tensors", start, count, labelled), "timings": timings}
 
 
 async def _init_group(server: ServerState, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -131,11 +152,14 @@ async def _init_group(server: ServerState, master_address: str, master_port: int
 
 async def _update_from_distributed(server: ServerState, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                    group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
-                                   timeout: float = DEFAULT_GROUP_TIMEOUT_S, **_: Any) -> dict:
+                                   timeout: float = DEFAULT_GROUP_TIMEOUT_S, weight_version: str | None = None,
+                                   abort_all_requests: bool = False, **_: Any) -> dict:
     start = time.perf_counter()
+    if abort_all_requests:
+        await engine_call(server.engine.abort_requests(None))
     count = await engine_call(server.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
-                                                                            flush_cache, timeout))
-    return _done(server, f"loaded {count} tensors", start, count)
+                                                                            flush_cache, timeout, weight_version))
+    return _done(server, f"loaded {count} tensors", start, count, weight_version)
 
 
 async def _destroy_group(server: ServerState, group_name: str = DEFAULT_GROUP, **_: Any) -> dict:
@@ -144,7 +168,10 @@ async def _destroy_group(server: ServerState, group_name: str = DEFAULT_GROUP, *
     return _done(server, f"destroyed weights update group {group_name!r}", start)
 
 
-def _done(server: ServerState, message: str, start: float, count: int | None = None) -> dict:
+def _done(server: ServerState, message: str, start: float, count: int | None = None,
+          version: str | None = None) -> dict:
+    if version is not None:
+        message += f". Weight version updated to {version}."  # SGLang's words
     return {"success": True, "message": message, "num_tensors": count, "seconds": time.perf_counter() - start,
             **server.engine.state_fields()}
 

@@ -115,6 +115,8 @@ class WeightReceiver:
         `push` names a multi-request one (None: this call is the whole update); `names`: the tensors it writes
         (None: every one, a reload); `version`: the weights' label once the update commits (only then). See the
         module docstring for the rule it keeps."""
+        if version is not None:
+            check_version(version)  # before any write: a bad label must not fail a committed update
         self.check_awake("update weights")
         lc = self.lifecycle
         update = self._join(push)
@@ -158,7 +160,7 @@ class WeightReceiver:
         whole), its `version` labels them, the prefix cache is forgotten. Raises LifecycleError, touching nothing,
         when it is not the update in progress (it failed, was abandoned, or never began)."""
         if version is not None:
-            self.check_version(version)
+            check_version(version)
         update = self._update
         if update is None or update.update_id != update_id:
             ended = self._ended.get(update_id)
@@ -179,14 +181,8 @@ class WeightReceiver:
         """Why the update `update_id` ended without committing (None: it did not, or is unknown)."""
         return self._ended.get(update_id)
 
-    @staticmethod
-    def check_version(version: str) -> None:
-        if not isinstance(version, str) or not version or len(version) > 256:
-            raise ValueError(f"weight_version must be a non-empty string of at most 256 characters, got {version!r}")
-
     def set_version(self, version: str) -> None:
-        self.check_version(version)
-        self.version = version
+        self.version = check_version(version)
 
     def _revertible(self) -> bool:
         """Whether a failed write can be undone: the weights are whole and their host copy current on every rank."""
@@ -276,7 +272,7 @@ class WeightReceiver:
 
     # ---- in-process and payload updates ----------------------------------------------------------------------
     def update_weights(self, named_tensors, push: PushPosition | None = None, staged: bool = False,
-                       flush_cache: bool = True) -> int:
+                       flush_cache: bool = True, version: str | None = None) -> int:
         """`(name, tensor)` pairs (a list: checked whole first; any other iterable: a stream, checked tensor by
         tensor) into the weights of every rank."""
         if isinstance(named_tensors, list | tuple):
@@ -284,7 +280,7 @@ class WeightReceiver:
                 self.manifest.check(named_tensors)
             names: Collection[str] | None = [name for name, _ in named_tensors]
             return self.write(names, lambda: self.executor.load_weights(named_tensors, False, False, staged), push,
-                              flush_cache)
+                              flush_cache, version)
         seen: list[str] = []  # filled by the copy, before `write` counts the names
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -292,10 +288,12 @@ class WeightReceiver:
                 seen.append(name)
                 yield name, tensor
 
-        return self.write(seen, lambda: self.executor.load_weights(stream(), False, False), push, flush_cache)
+        return self.write(seen, lambda: self.executor.load_weights(stream(), False, False), push, flush_cache,
+                          version)
 
     def update_from_tensor(self, serialized: Sequence[str] | None = None, load_format: str | None = None,
-                           flush_cache: bool = True, named_tensors=None, push: PushPosition | None = None) -> int:
+                           flush_cache: bool = True, named_tensors=None, push: PushPosition | None = None,
+                           version: str | None = None) -> int:
         """SGLang's update_weights_from_tensor: base64 payloads (one entry, or one per rank), or in-process the
         named tensors themselves (pairs, or a flattened-bucket dict with load_format "flattened_bucket")."""
         self.check_awake("update_weights_from_tensor")  # before any handle is opened
@@ -307,11 +305,11 @@ class WeightReceiver:
             with phase("decode"):
                 pairs = named_tensors_of(named_tensors if load_format else list(named_tensors), load_format)
         elif self.world_size > 1 and isinstance(serialized, list | tuple) and len(serialized) == self.world_size:
-            return self._per_rank(list(serialized), load_format, flush_cache, push)
+            return self._per_rank(list(serialized), load_format, flush_cache, push, version)
         else:
             pairs = self.decode(serialized, load_format)
         try:
-            return self.update_weights(pairs, push, flush_cache=flush_cache)
+            return self.update_weights(pairs, push, flush_cache=flush_cache, version=version)
         finally:
             self._release(pairs)
 
@@ -328,7 +326,7 @@ class WeightReceiver:
         return pairs
 
     def _per_rank(self, serialized: list[str], load_format: str | None, flush_cache: bool,
-                  push: PushPosition | None) -> int:
+                  push: PushPosition | None, version: str | None = None) -> int:
         """One payload per rank: every rank opens its own entry and checks it; only when every rank holds a checked
         bucket do they all copy."""
         try:
@@ -337,7 +335,7 @@ class WeightReceiver:
             self.executor.collective_rpc("drop_staged", (OPENED,))
             raise
         return self.write(names, lambda: self.executor.collective_rpc("apply_staged", (OPENED,))[0], push,
-                          flush_cache)
+                          flush_cache, version)
 
     # ---- a push in flight: opened and checked off the engine thread, copied on it ------------------------------
     def stage(self, serialized: Sequence[str], load_format: str | None) -> StagedUpdate:
@@ -372,7 +370,8 @@ class WeightReceiver:
             self._stage_stream = EngineStream(device)  # kept with the receiver (streams are never destroyed)
         return torch.cuda.stream(self._stage_stream.stream)
 
-    def apply_staged(self, staged: StagedUpdate, flush_cache: bool = True, push: PushPosition | None = None) -> int:
+    def apply_staged(self, staged: StagedUpdate, flush_cache: bool = True, push: PushPosition | None = None,
+                     version: str | None = None) -> int:
         """Engine thread: copy a staged update (checked by `stage`). One dropped by a sleep meanwhile, or with the
         weights asleep now, writes nothing."""
         try:
@@ -386,7 +385,7 @@ class WeightReceiver:
                 torch.cuda.current_stream(self.executor.driver.device).wait_event(staged.ready)
             names = [name for name, _ in staged.pairs]
             return self.write(names, lambda: self.executor.load_weights(staged.pairs, False, False, True), push,
-                              flush_cache)
+                              flush_cache, version)
         finally:
             self._release(staged.pairs)
 
@@ -531,18 +530,18 @@ class WeightReceiver:
             raise
 
     def apply_received(self, names: Sequence[str], group_name: str, flush_cache: bool = True,
-                       push: PushPosition | None = None) -> int:
+                       push: PushPosition | None = None, version: str | None = None) -> int:
         """Copy what every rank received (each keeps its shard); a failure drops what every rank received."""
         self._receiving.discard(group_name)
-        return self.apply_opened(names, group_name, push, flush_cache)
+        return self.apply_opened(names, group_name, push, flush_cache, version)
 
     def apply_opened(self, names: Sequence[str], key: str, push: PushPosition | None = None,
-                     flush_cache: bool = True) -> int:
+                     flush_cache: bool = True, version: str | None = None) -> int:
         """Copy what every rank holds under `key` (received, opened or given by a worker extension, checked), as
         (part of) one update; a failure drops it on every rank."""
         try:
             return self.write(list(names), lambda: self.executor.collective_rpc("apply_staged", (key,))[0], push,
-                              flush_cache)
+                              flush_cache, version)
         except BaseException:
             self.executor.collective_rpc("drop_staged", (key, False))
             raise
@@ -556,6 +555,13 @@ class WeightReceiver:
         self._receiving.discard(group_name)
         if not self.executor.collective_rpc("destroy_update_group", (group_name,))[0]:
             raise ValueError(f"no weights update group {group_name!r}")
+
+
+def check_version(version: object) -> str:
+    """A weights label: a non-empty string of at most 256 characters (ValueError naming it otherwise)."""
+    if not isinstance(version, str) or not version or len(version) > 256:
+        raise ValueError(f"weight_version must be a non-empty string of at most 256 characters, got {version!r}")
+    return version
 
 
 def weight_names(manifest: Manifest, ignored: Callable[[str], bool]) -> frozenset[str]:
