@@ -124,7 +124,7 @@ def test_an_sglang_style_trainer_forms_the_group_and_pushes(engine, tiny_model_p
                        str(free_port()))
     code, out, err = _finish(trainer)
     assert code == 0, err
-    assert out.split() == ["init", "200", "update", "200", "destroy", "200"], (out, err)
+    assert out.split() == ["init", "200", "update", "200", "destroy", "200"], (out, err, engine.output())
     assert _served(engine) == _answers(new_weights_path) != old
     assert engine.http.get("/weight_info").json() == {"weight_version": "dist-1"}  # SGLang's label, on success
     WeightPusher(engine.url, ADMIN).push(iter_checkpoint(tiny_model_path))  # the old weights, for the next tests

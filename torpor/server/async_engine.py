@@ -298,7 +298,7 @@ class AsyncEngine:
                 if time.monotonic() > deadline:
                     await self._call(weights.wait_receive, group_name, 0.0, timeout)  # gives the group up, raises
                 await asyncio.sleep(RECEIVE_POLL_S)
-            count = await self._call(weights.apply_received, names, group_name, flush_cache, version)
+            count = await self._call(weights.apply_received, names, group_name, flush_cache, None, version)
         except Exception as exc:
             _log_failure("update_weights_from_distributed", what, exc)
             raise
