@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -49,7 +48,6 @@ from torpor.memory import CheckpointUnsupportedError, Report
 logger = logging.getLogger("torpor.engine")
 DEFAULT_GROUP_TIMEOUT_S = 120.0
 DUMMY_WEIGHTS = "(the dummy weights: reload_weights() draws them again)"  # what "whole" means without a checkpoint
-MAX_WEIGHT_VALUES = 1 << 24  # get_weights_by_name's answer, at most (a JSON list of floats)
 
 
 @dataclass(frozen=True)
@@ -376,31 +374,7 @@ class LLMEngine:
         self.transfer.finish(weight_version)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """SGLang's get_weights_by_name: the checkpoint tensor `name` as the engine holds it now (gathered from
-        every rank), as float32 values, its first `truncate_size` rows (`tensor.tolist()[:truncate_size]`)."""
-        if not isinstance(name, str) or not isinstance(truncate_size, int) or isinstance(truncate_size, bool) \
-                or truncate_size < 0:
-            raise ValueError("get_weights_by_name takes a tensor name and a truncate_size >= 0")
-        self.weights.check_awake("get_weights_by_name")
-        manifest, model = self.weights.manifest, self.executor.driver.runner.model
-        read = name
-        if name not in manifest.shapes:
-            raise ValueError(f"unknown tensor {name!r} (not in the model's checkpoint)")
-        if model.is_ignored_weight(name):
-            tied = "model.embed_tokens.weight"
-            if name != "lm_head.weight" or tied not in manifest.shapes:
-                raise ValueError(f"{name!r} is not held by the model (it ignores that checkpoint tensor)")
-            read = tied  # SGLang answers the embedding for a tied head too
-        shape = manifest.shapes[read]
-        values = min(truncate_size, shape[0] if shape else 1) * (math.prod(shape[1:]) if shape else 1)
-        if values > MAX_WEIGHT_VALUES:
-            raise ValueError(f"get_weights_by_name: the answer would hold {values} values of {name!r}, at most "
-                             f"{MAX_WEIGHT_VALUES}: lower truncate_size (it counts rows)")
-        full = torch.zeros(shape, dtype=torch.float32)
-        for pieces in self.executor.collective_rpc("read_weight", (read, list(shape))):
-            for size, stride, offset, values in pieces:
-                full.as_strided(size, stride, offset).copy_(values)
-        return full[:truncate_size].tolist()
+        return self.weights.read(name, truncate_size, self.executor.driver.runner.model)
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -43,6 +44,7 @@ from torpor.engine.weights.manifest import Manifest
 from torpor.engine.weights.payload import named_tensors_of, unpickle_payload
 from torpor.engine.weights.updates import OPENED, release_transfer_memory, specs_of
 
+MAX_WEIGHT_VALUES = 1 << 24  # get_weights_by_name's answer, at most (a JSON list of floats)
 logger = logging.getLogger("torpor.engine")
 MAX_ENDED = 64  # ended pushes remembered (a late request of one is refused, not taken for a new push)
 
@@ -555,6 +557,33 @@ class WeightReceiver:
         self._receiving.discard(group_name)
         if not self.executor.collective_rpc("destroy_update_group", (group_name,))[0]:
             raise ValueError(f"no weights update group {group_name!r}")
+
+    def read(self, name: str, truncate_size: int, model) -> list:
+        """SGLang's get_weights_by_name: the checkpoint tensor `name` as the engine holds it now (gathered from
+        every rank), as float32 values, its first `truncate_size` rows (`tensor.tolist()[:truncate_size]`)."""
+        if not isinstance(name, str) or not isinstance(truncate_size, int) or isinstance(truncate_size, bool) \
+                or truncate_size < 0:
+            raise ValueError("get_weights_by_name takes a tensor name and a truncate_size >= 0")
+        self.check_awake("get_weights_by_name")
+        manifest = self.manifest
+        read = name
+        if name not in manifest.shapes:
+            raise ValueError(f"unknown tensor {name!r} (not in the model's checkpoint)")
+        if model.is_ignored_weight(name):
+            tied = "model.embed_tokens.weight"
+            if name != "lm_head.weight" or tied not in manifest.shapes:
+                raise ValueError(f"{name!r} is not held by the model (it ignores that checkpoint tensor)")
+            read = tied  # SGLang answers the embedding for a tied head too
+        shape = manifest.shapes[read]
+        values = min(truncate_size, shape[0] if shape else 1) * (math.prod(shape[1:]) if shape else 1)
+        if values > MAX_WEIGHT_VALUES:
+            raise ValueError(f"get_weights_by_name: the answer would hold {values} values of {name!r}, at most "
+                             f"{MAX_WEIGHT_VALUES}: lower truncate_size (it counts rows)")
+        full = torch.zeros(shape, dtype=torch.float32)
+        for pieces in self.executor.collective_rpc("read_weight", (read, list(shape))):
+            for size, stride, offset, values in pieces:
+                full.as_strided(size, stride, offset).copy_(values)
+        return full[:truncate_size].tolist()
 
 
 def check_version(version: object) -> str:
