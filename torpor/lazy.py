@@ -19,6 +19,8 @@ import importlib
 import threading
 from collections.abc import Iterator
 
+from torpor.env import Env
+
 _lock = threading.Lock()
 _depth = 0  # blocks in `collector_paused`, all threads
 _was_enabled = False  # the collector's state when the outermost block began
@@ -72,7 +74,6 @@ def use_bytecode_cache(cache_dir: str | None = None, package: str = "torch") -> 
     spec = find_spec(package)  # finds the package without importing it
     if spec is None or spec.origin is None or os.path.exists(cache_from_source(spec.origin)):
         return None
-    from torpor.env import Env
 
     folder = os.path.join(cache_dir or Env.read().cache_dir, "pycache")
     try:

@@ -1,4 +1,6 @@
-"""The `torpor` command. Each subcommand lives in its own module and is imported lazily.
+"""The `torpor` command. Each subcommand lives in its own module and is imported lazily, and the subcommands import
+torch and the engine inside their functions: `torpor --help` answers at once and the bytecode cache
+(`use_bytecode_cache`) is in place before torch loads. Every import inside a function under `torpor/cli/` is that.
 
 A failure the user can act on (a missing model, no CUDA, a path that cannot be written, no host
 memory) is one line on stderr and exit code 1, never a traceback; TORPOR_TRACEBACK=1 shows it.

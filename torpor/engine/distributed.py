@@ -64,6 +64,7 @@ class TPGroup:
         if nccl:
             group.all_reduce(torch.zeros(1, device=device))  # forms the communicator now (NCCL is lazy)
         elif device.type == "cuda":
+            # The exchange buffer's modules import cuda-bindings and triton: only tp_comm="torpor" engines load them.
             from torpor.engine.symmetric_memory import SymmetricMemory
             from torpor.engine.tensor_exchange import TensorExchange
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from torpor.engine import gemm
+from torpor.memory import create_stream
 
 # Streams of closed engines, per device, for the next engine. A stream is never destroyed: pinned host
 # buffers that took part in its copies record an event on it when they are freed, which may be after
@@ -35,7 +36,6 @@ class EngineStream:
         self._handle = None
         self.stream: torch.cuda.ExternalStream | None = None
         if device.type == "cuda":
-            from torpor.memory import create_stream
 
             with _SPARE_LOCK:
                 spare = _SPARE_STREAMS.get(device.index, [])

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from torpor.engine.cublaslt import CublasLt, CublasLtError
+
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _BACKENDS: dict[int, object] = {}  # device index -> CublasLt, or None where cuBLASLt cannot be used
 _WORKSPACES: dict[int, torch.Tensor | None] = {}  # CUDA stream handle -> workspace (None: F.linear there)
@@ -84,7 +86,6 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _backend(device: torch.device):
     if device.index in _BACKENDS:
         return _BACKENDS[device.index]
-    from torpor.engine.cublaslt import CublasLt, CublasLtError
 
     with _LOCK:
         if device.index not in _BACKENDS:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.engine.models.config import read_json_object
+from torpor.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("torpor.engine")
 
@@ -31,7 +32,6 @@ def generation_defaults(generation_config: str, model: str) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=8)
 def _read(folder: str, required: bool) -> tuple[tuple[str, Any], ...]:
-    from torpor.engine.sampling_params import SamplingParams
 
     file = Path(folder) / "generation_config.json"
     if not file.is_file():

@@ -16,6 +16,7 @@ from torpor.engine.config import DTYPE_ALIASES, EngineConfig, WeightTransferConf
 from torpor.engine.generation_config import generation_defaults
 from torpor.engine.lifecycle import EngineState
 from torpor.engine.llm_engine import LLMEngine
+from torpor.engine.logprobs import with_logprob_objects
 from torpor.engine.model_path import resolve_model
 from torpor.engine.model_runner import debug_logging, timed_phase
 from torpor.engine.models import ModelConfig
@@ -23,6 +24,7 @@ from torpor.engine.outputs import RequestOutput
 from torpor.engine.sampling_params import SamplingParams
 from torpor.engine.weights.transfer import request_field
 from torpor.lazy import collector_paused
+from torpor.memory import MemoryManager
 
 Prompt = str | list[int]  # or vLLM's dict prompts: {"prompt": text} / {"prompt_token_ids": [ids]}
 
@@ -98,7 +100,6 @@ class LLM:
         )
         self._generation_defaults = generation_defaults(config.generation_config, config.model)
         if memory is None and enable_sleep_mode:
-            from torpor.memory import MemoryManager
 
             with timed_phase("memory_manager"):
                 memory = MemoryManager(config.device)
@@ -350,7 +351,6 @@ class LLM:
         """`output` with `{id: Logprob}` logprobs (vLLM's shape) when any were asked for."""
         if params.logprobs is None and params.prompt_logprobs is None:
             return output
-        from torpor.engine.logprobs import with_logprob_objects
 
         return with_logprob_objects(output, self.tokenizer, params.logprobs, params.prompt_logprobs)
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:

@@ -115,7 +115,7 @@ class ModelRunner:
         self._triton_key: threading.Thread | None = None
         with timed_phase("attention_backend"):  # GPU: imports triton (the decode kernel's)
             if on_gpu:
-                from torpor.engine.attention.triton_backend import TritonAttentionBackend
+                from torpor.engine.attention.triton_backend import TritonAttentionBackend  # triton: CUDA only
 
                 self.backend = TritonAttentionBackend()
                 self._triton_key = warm_triton_cache_key()  # hashed beside the model build and the weight load
@@ -201,7 +201,7 @@ class ModelRunner:
         return max(config.max_num_batched_tokens, config.max_num_seqs)
 
     def _workspace_numel(self, config: EngineConfig) -> int:
-        from torpor.engine.attention.triton_decode import decode_workspace_shape
+        from torpor.engine.attention.triton_decode import decode_workspace_shape  # imports triton: CUDA only
 
         m = self.model_config
         return decode_workspace_shape(config.max_num_seqs, m.num_attention_heads // tp_size(),
@@ -233,7 +233,7 @@ class ModelRunner:
             with self._tag("workspace"):
                 self.routing = RoutingRecorder(self.model, m, self._routing_rows(config), self.device)
         if self.device.type == "cuda":
-            from torpor.engine.attention.triton_decode import alloc_decode_workspace
+            from torpor.engine.attention.triton_decode import alloc_decode_workspace  # imports triton: CUDA only
 
             with self._tag("workspace"):
                 self.backend.workspace = alloc_decode_workspace(

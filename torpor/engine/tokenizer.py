@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import tokenizers
 import tokenizers.decoders
 
+from torpor.engine.chat_template import render_chat
 from torpor.engine.models.config import read_json_object
 
 if TYPE_CHECKING:
@@ -106,7 +107,6 @@ class Tokenizer:
         `tokenize` (special tokens come from the template only). `template_kwargs` reach the template
         (e.g. Qwen3's `enable_thinking=False`). ValueError without a template; `ChatTemplateError` (a
         ValueError naming the template error) when the template fails."""
-        from torpor.engine.chat_template import render_chat
 
         template = chat_template or self.chat_template
         if not template:

@@ -72,7 +72,7 @@ class MemoryManager:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"MemoryManager({str(device)!r}): CUDA is not available here; use 'cpu'")
         if device.type == "cuda":
-            from torpor.memory.cuda_backend import ALLOCATION_LOCK, CudaBackend
+            from torpor.memory.cuda_backend import ALLOCATION_LOCK, CudaBackend  # cuda-bindings: CUDA only
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
@@ -81,7 +81,7 @@ class MemoryManager:
             # holding the GIL are serialized process-wide, so they never meet a callback.
             self._lock = self._scope_guard = ALLOCATION_LOCK
         elif device.type == "cpu":
-            from torpor.memory.host_backend import HostBackend
+            from torpor.memory.host_backend import HostBackend  # the CPU backend's dispatch mode: CPU managers only
 
             self.device = device
             self._backend = HostBackend(max_host_bytes, backup_dir, on_new_segment=hook)

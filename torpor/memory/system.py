@@ -29,6 +29,6 @@ def device_used_bytes(device: str | torch.device) -> int:
 def create_stream() -> Any:
     """A non-blocking CUDA stream of the current context, made through the driver (PyTorch's first extra
     stream creates its whole stream pool, ~70 MiB of device memory). Kept for the process's life."""
-    from torpor.memory import cuda_driver
+    from torpor.memory import cuda_driver  # cuda-bindings: CUDA only
 
     return cuda_driver.stream_create()

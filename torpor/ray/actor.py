@@ -72,7 +72,7 @@ class EngineReplica:
         # engine's modules, and CUDA starts with the visible devices set.
         import torch
 
-        from torpor.engine.llm import LLM
+        from torpor.engine.llm import LLM  # torch and the engine load in the actor's process, not the driver's
 
         if device == "auto":
             device = "cuda" if ray.get_gpu_ids() or visible_devices else "cpu"

@@ -32,6 +32,7 @@ import torch
 from torpor.engine import phase_times
 from torpor.engine.phase_times import phase
 from torpor.engine.weights.shm import settle_references
+from torpor.engine.weights.transport import broadcast, destroy_group_handle, open_update_group
 from torpor.rl.bucket_ring import BucketRing
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -327,7 +328,6 @@ class DistributedPusher:
                  backend: str | None = None, timeout: float = 120.0) -> None:
         import httpx
 
-        from torpor.engine.weights.transport import destroy_group_handle, open_update_group
 
         self.device, self.group_name = torch.device(device), group_name
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
@@ -352,7 +352,6 @@ class DistributedPusher:
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> PushReport:
         """Broadcast every tensor, in order, while the engine receives them (one request for all)."""
-        from torpor.engine.weights.transport import broadcast
 
         named = [(n, t.detach().contiguous()) for n, t in named_tensors]
         body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
@@ -371,7 +370,6 @@ class DistributedPusher:
 
     def close(self) -> None:
         """Destroy the group on both ends."""
-        from torpor.engine.weights.transport import destroy_group_handle
 
         try:
             self.http.post("/destroy_weights_update_group", json={"group_name": self.group_name})

@@ -46,6 +46,7 @@ from torpor.engine.weights.index import INDEX_FILE, SINGLE_FILE, CheckpointError
 from torpor.server.auth import require_admin
 from torpor.server.errors import APIError, SafeJSONResponse, engine_call, engine_error, is_safetensors_error, json_text
 from torpor.server.protocol import invalid_unicode
+from torpor.server.weights_api import RPC_METHODS as WEIGHT_METHODS
 
 if TYPE_CHECKING:
     from torpor.memory import Report
@@ -182,7 +183,6 @@ async def collective_rpc(body: RPCRequest, request: Request) -> Response:
     worker extension's methods), called with the JSON values as they come, as vLLM does, its results as vLLM
     answers them (null, objects and lists as they are, anything else as its str())."""
     server: ServerState = request.app.state.server
-    from torpor.server.weights_api import RPC_METHODS as WEIGHT_METHODS  # weights_api imports this module
 
     methods = {**RPC_METHODS, **WEIGHT_METHODS}
     if body.method not in rpc.METHODS:

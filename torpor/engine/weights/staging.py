@@ -112,7 +112,7 @@ class StagingBuffers:
         def allocate() -> None:
             try:
                 if device.type == "cuda":
-                    from torpor.memory.cuda_driver import make_primary_context_current
+                    from torpor.memory.cuda_driver import make_primary_context_current  # cuda-bindings: CUDA only
 
                     make_primary_context_current(device.index or 0)  # a new thread has no current context
                 buffers = [self._allocate(nbytes) for _ in range(count)]
