@@ -243,3 +243,48 @@ def test_llm_pause_from_another_thread(tiny_model_path):
     assert llm.get_weight_version() == "v7"
     assert llm.generate([PROMPT], greedy(3), use_tqdm=False)[0].outputs[0].weight_versions == [
         WeightVersionSpan("v7", 0, 3)]
+
+
+def test_llm_request_ids_abort_one_and_wait_if_paused(tiny_model_path):
+    """`generate(request_ids=...)`: checked, refused while taken, abortable one by one from another thread; with
+    `wait_if_paused` a request sent during a pause waits for the resume while a sleep still refuses at once."""
+    long = 400
+    llm = LLM(tiny_model_path, wait_if_asleep=0, wait_if_paused=60, **{**ENGINE, "max_model_len": 512})
+    for ids, message in ((["a"], "one id per prompt"), (["a", "a"], "appears twice"), (["a", ""], "non-empty")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate([PROMPT, PROMPT], greedy(2), use_tqdm=False, request_ids=ids)
+    expected = llm.generate([PROMPT], greedy(long), use_tqdm=False)[0].outputs[0].token_ids
+    results = {}
+
+    def generate(key: str, ids: list[str], params: SamplingParams, count: int = 2) -> None:
+        results[key] = llm.generate([PROMPT] * count, params, use_tqdm=False, request_ids=ids)
+
+    worker = threading.Thread(target=generate, args=("two", ["x", "y"], greedy(long)))
+    worker.start()
+    wait_for(lambda: sum(s.num_output_tokens > 1 for s in list(llm.engine.scheduler.running)) == 2, what="tokens")
+    with pytest.raises(ValueError, match="'x' already running"):
+        llm.generate([PROMPT], greedy(2), use_tqdm=False, request_ids=["x"])
+    assert llm.abort_requests(["x", "nobody"]) == 1  # only x: y runs on to its end
+    worker.join(60)
+    x, y = (o.outputs[0] for o in results["two"])
+    assert x.finish_reason == "abort" and 1 < len(x.token_ids) < long
+    assert y.finish_reason == "length" and y.token_ids == expected
+
+    llm.pause_generation("abort")
+    worker = threading.Thread(target=generate, args=("held", ["h"], greedy(3), 1))
+    worker.start()
+    wait_for(lambda: llm.engine.request_ids() == ["h"], what="the held request queued")
+    time.sleep(0.3)
+    assert worker.is_alive() and "held" not in results  # waits for the resume, does not raise
+    llm.resume_generation()
+    worker.join(60)
+    assert results["held"][0].outputs[0].token_ids == expected[:3]
+    llm.sleep(1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"generate: the engine sleeps \(level 1"):
+        llm.generate([PROMPT], greedy(3), use_tqdm=False)  # wait_if_asleep=0: at once
+    assert time.monotonic() - start < 5
+    llm.wake_up()
+    with pytest.raises(ValueError, match="wait_if_paused must be a number of seconds"):
+        LLM(tiny_model_path, wait_if_paused=-1, **ENGINE)
+    llm.close()

@@ -135,6 +135,49 @@ def test_every_fleet_wide_call(fleet, reference):
         fleet.collective_rpc("no_such_method")
 
 
+def test_pause_abort_by_id_and_the_weights_label(fleet, reference):
+    """A paused fleet holds what is sent meanwhile (no raise), aborts by id, runs the rest after the resume as
+    undisturbed; a replica restarted during the pause starts paused; the label reaches the outputs' tokens."""
+    from torpor.engine.outputs import WeightVersionSpan
+
+    prompts = PROMPTS[:4]
+    ids = [f"p{i}" for i in range(4)]
+    expected = tokens(reference[0].generate(prompts, GREEDY))
+    fleet.pause_generation("abort")
+    assert fleet.is_paused() and all(ray.get([r.is_paused.remote() for r in fleet.replicas]))
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=fleet.generate(prompts, GREEDY, request_ids=ids)))
+    worker.start()
+    wait_for(lambda: sum(r["num_waiting"] for r in fleet.stats()) == 4, 30, "the held requests were not queued")
+    before = served(fleet)
+    time.sleep(0.3)
+    assert worker.is_alive() and served(fleet) == before  # held, not refused
+    with pytest.raises(ValueError, match="request_ids must be 2 distinct"):
+        fleet.generate(prompts[:2], GREEDY, request_ids=["same", "same"])
+    assert sum(fleet.abort_requests(["p0", "p2", "nobody"])) == 2
+    fleet.resume_generation()
+    worker.join(timeout=60)
+    out = result["out"]
+    assert [o.outputs[0].finish_reason for o in out] == ["abort", "length", "abort", "length"]
+    assert [o.outputs[0].token_ids for o in out[1::2]] == [e[0] for e in expected[1::2]]
+    assert not fleet.is_paused()
+
+    fleet.pause_generation("keep")
+    os.kill(ray.get(fleet.replicas[0].info.remote())["pid"], signal.SIGKILL)  # (replica 1 dies later on)
+    wait_for(lambda: fleet.stats()[0]["state"] != "serving", 10, "the death was not seen")
+    wait_for(lambda: fleet.stats()[0]["state"] == "serving", 90, "replica 0 did not come back")
+    assert ray.get(fleet.replicas[0].is_paused.remote())  # restarted into the fleet's pause
+    fleet.resume_generation()
+    assert not any(ray.get([r.is_paused.remote() for r in fleet.replicas]))
+
+    label = fleet.weight_version + 100
+    assert len(fleet.update_weight_version(label)) == 2
+    assert fleet.get_weight_version() == label and [r["weight_version"] for r in fleet.stats()] == [label, label]
+    out = fleet.generate(prompts, GREEDY)
+    assert tokens(out) == expected  # the weights untouched
+    assert all(o.outputs[0].weight_versions == [WeightVersionSpan(str(label), 0, 12)] for o in out)
+
+
 def push(fleet, path: str, group_name: str, keep: bool) -> list[tuple]:
     """The checkpoint at `path` broadcast by this process (rank 0 of a new gloo group) to every replica; `keep`:
     hand the fleet a copy for restarts (`source=`)."""

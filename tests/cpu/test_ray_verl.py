@@ -62,13 +62,32 @@ def test_verl_rollout_hybrid_cycle(tmp_path):
         await rollout.update_weights(weights, global_steps=1)
         await rollout.resume(["kv_cache"])
         after = await generate()
-        with pytest.raises(ray.exceptions.RayTaskError, match="cannot abort requests yet"):
-            await replica.abort_all_requests()
+        # partial rollout: abort everything in flight and stay paused (requests sent meanwhile are parked, or
+        # aborted by id), resume; with reject_request a late request is answered aborted at once
+        assert (await server.abort_all_requests.remote())["aborted_count"] == 0
+        parked = [asyncio.ensure_future(server.generate.remote(prompt_ids=p, sampling_params={"logprobs": True},
+                                                              request_id=f"long{i}")) for i, p in enumerate(PROMPTS)]
+        while (await server.stats.remote())["num_waiting"] < 2:
+            await asyncio.sleep(0.01)
+        assert await server.abort_request.remote("nobody") == {"aborted": False, "error": "Request nobody not found"}
+        assert await server.abort_request.remote("long1") == {"aborted": True, "request_id": "long1"}
+        assert "long0" in (await server.abort_all_requests.remote())["request_ids"]
+        aborted = await asyncio.gather(*parked)
+        assert [(o.stop_reason, o.token_ids, o.log_probs) for o in aborted] == [("aborted", [], [])] * 2
+        held = asyncio.ensure_future(generate())
+        await asyncio.sleep(0.3)
+        assert not held.done()  # parked until resume_generation
+        await replica.resume_generation()
+        assert [o.token_ids for o in await held] == [o.token_ids for o in after]
+        assert (await server.abort_all_requests.remote(reject_request=True))["aborted_count"] == 0
+        rejected = await server.generate.remote(prompt_ids=PROMPTS[0], sampling_params={}, request_id="late")
+        assert rejected.stop_reason == "aborted" and rejected.token_ids == [] and rejected.log_probs is None
+        await replica.resume_generation()
         with pytest.raises(ValueError, match="wire_format 'delta_flush' not supported"):
             await rollout.update_weights(iter(()), wire_format="delta_flush")
         await replica.sleep()  # hybrid: level 2, the weights discarded; a wake alone serves nothing stale
         await replica.wake_up()
-        with pytest.raises(ray.exceptions.RayTaskError, match="the weights are not valid"):
+        with pytest.raises(ray.exceptions.RayTaskError, match="the weights are not whole"):
             await generate()
         await replica.release_kv_cache()  # the next sync: weights in, then the KV cache back
         await rollout.update_weights(((n, t) for n, t in load_file(os.path.join(trained, "model.safetensors")).items()))

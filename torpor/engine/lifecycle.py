@@ -128,6 +128,13 @@ class EngineState:
     def is_sleeping(self) -> bool:
         return self.sleep_level is not None
 
+    @property
+    def only_paused(self) -> bool:
+        """Requests would run but for `pause_generation` (awake, weights whole, no update, not broken)."""
+        return (not self.serving and self.paused is not None and self.broken is None and self.weights_valid
+                and self.updating is None and self.sleep_level is None
+                and all(state == "awake" for state in self.tags.values()))
+
     def not_serving_reason(self) -> str | None:
         """What stops requests from running and what to call about it; None while serving."""
         if self.serving:

@@ -64,7 +64,9 @@ class LLM:
     `wait_if_asleep`: seconds `generate` waits for another thread to wake the engine when it does not
     serve (asleep, or weights awaiting reload) before raising RuntimeError naming what to call; the
     default 0 raises at once, since in a single-threaded program nothing else can wake it. None waits
-    without limit.
+    without limit. `wait_if_paused`: the same while the only reason is `pause_generation` (an RL trainer
+    pauses, updates the weights and resumes; requests sent meanwhile wait for the resume); the default is
+    `wait_if_asleep`'s value.
     """
 
     @collector_paused()  # start-up: no full garbage collections over torch's objects (torpor/lazy.py)
@@ -73,9 +75,11 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, seed: int = 0, enable_sleep_mode: bool = True, memory=None,
                  worker_memory_options: dict[int, dict] | None = None, wait_if_asleep: float | None = 0.0,
-                 **engine_options) -> None:
+                 wait_if_paused: float | str | None = "wait_if_asleep", **engine_options) -> None:
         debug_logging()
-        self.wait_if_asleep = _check_wait(wait_if_asleep)
+        self.wait_if_asleep = _check_wait(wait_if_asleep, "wait_if_asleep")
+        self.wait_if_paused = (self.wait_if_asleep if wait_if_paused == "wait_if_asleep"
+                               else _check_wait(wait_if_paused, "wait_if_paused"))
         path = resolve_model(model) if model is not None else _default_model()
         model_config = ModelConfig.from_pretrained(path)
         unknown = sorted(k for k in engine_options if k not in EngineConfig.__dataclass_fields__ or k == "model")
@@ -113,18 +117,23 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, request_ids: list[str] | None = None) -> list[RequestOutput]:
         """Complete every prompt (text, token ids, or a dict prompt); outputs in input order, logprobs as
         `{id: Logprob}`. Without `sampling_params`: `get_default_sampling_params()`. `use_tqdm`: a progress
-        bar over the finished prompts on stderr, as vLLM shows (only when stderr is a terminal). Raises ValueError
-        before queueing anything if any prompt or parameter is invalid, RuntimeError if the engine does not
-        serve within `wait_if_asleep` seconds (see the class)."""
+        bar over the finished prompts on stderr, as vLLM shows (only when stderr is a terminal). `request_ids`
+        (torpor's; AsyncLLM's `request_id` per prompt): one unique id per prompt, so another thread can
+        `abort_requests` them. Raises ValueError before queueing anything if any prompt, parameter or id is
+        invalid, RuntimeError if the engine does not serve within `wait_if_asleep` seconds (see the class)."""
         prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, len(prompt_list))
+        ids = _request_ids(request_ids, len(prompt_list))
         with self._driving():
-            seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
+            taken = sorted(set(ids) & (set(self.engine.request_ids()) | self._finished.keys())) if request_ids else []
+            if taken:
+                raise ValueError(f"request_ids: {', '.join(map(repr, taken))} already running in this engine")
+            seqs = [self.engine.make_sequence(p, sp, rid) for p, sp, rid in zip(prompt_list, params, ids, strict=True)]
             for seq in seqs:
                 self.engine.add_sequence(seq)
         mine = {seq.request_id for seq in seqs}
@@ -163,13 +172,15 @@ class LLM:
         if finished:
             self._lock.notify_all()
             return
-        deadline = None if self.wait_if_asleep is None else time.monotonic() + self.wait_if_asleep
+        start = time.monotonic()
         # (paused for new requests, the running ones still run: step on)
         while not self.engine.serving and not self.engine.has_pending_outputs() and not self.engine.has_work():
-            left = None if deadline is None else deadline - time.monotonic()
+            state = self.engine.state()  # the limit follows the reason: a pause may turn into a sleep
+            limit = self.wait_if_paused if state.only_paused else self.wait_if_asleep
+            left = None if limit is None else start + limit - time.monotonic()
             if left is not None and left <= 0:
-                waited = f" (waited {self.wait_if_asleep:g} s)" if self.wait_if_asleep else ""
-                raise RuntimeError(f"generate: {self.engine.state().not_serving_reason()}{waited}")
+                waited = f" (waited {limit:g} s)" if limit else ""
+                raise RuntimeError(f"generate: {state.not_serving_reason()}{waited}")
             self._lock.wait(left)
 
     @property
@@ -207,7 +218,7 @@ class LLM:
     # ---- pause and resume (vLLM's names; see LLMEngine.pause_generation) -----------------------
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause generation (call it from another thread than `generate`'s, which waits meanwhile when
-        `wait_if_asleep` allows): "abort" every request, "wait" for the running ones, "keep" them (frozen with
+        `wait_if_paused` allows): "abort" every request, "wait" for the running ones, "keep" them (frozen with
         their KV; `clear_cache` recomputes them after the resume), or SGLang's "retract" / "in_place"."""
         with self._driving():
             self.engine.pause_generation(mode, clear_cache)
@@ -442,11 +453,25 @@ def _default_model() -> str:
     return str(default_model_path())
 
 
-def _check_wait(seconds: float | None) -> float | None:
+def _request_ids(request_ids: list[str] | None, count: int) -> list[str | None]:
+    """One id per prompt (None: the engine numbers them), each a non-empty string, none twice."""
+    if request_ids is None:
+        return [None] * count
+    if not isinstance(request_ids, list | tuple) or len(request_ids) != count:
+        raise ValueError(f"request_ids must be a list of one id per prompt ({count}), got {request_ids!r}")
+    bad = [r for r in request_ids if not isinstance(r, str) or not r]
+    if bad:
+        raise ValueError(f"request_ids must be non-empty strings, got {bad[0]!r}")
+    if len(set(request_ids)) != count:
+        raise ValueError("request_ids: an id appears twice")
+    return list(request_ids)
+
+
+def _check_wait(seconds: float | None, name: str) -> float | None:
     if seconds is None:
         return None
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
-        raise ValueError(f"wait_if_asleep must be a number of seconds >= 0 or None (no limit), got {seconds!r}")
+        raise ValueError(f"{name} must be a number of seconds >= 0 or None (no limit), got {seconds!r}")
     return float(seconds)
 
 

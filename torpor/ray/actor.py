@@ -4,9 +4,10 @@ The actor is threaded, with three concurrency groups so that no kind of call wai
 
 - "generate" (default, many threads): `generate` calls from every caller run at once and batch together in
   the one engine (`LLM` lets many threads drive it; each collects its own outputs).
-- "control" (one thread): sleep, wake, weights, cache, collective_rpc, run in the order they were sent; a
-  weight receive that blocks while the trainer broadcasts holds only this thread.
-- "health" (two threads): `ping`, `stats`, `info`, `set_weight_version` answer while the others are busy, so a
+- "control" (one thread): sleep, wake, pause, abort, weights and their version label, cache, collective_rpc,
+  run in the order they were sent; a weight receive that blocks while the trainer broadcasts holds only this
+  thread.
+- "health" (two threads): `ping`, `stats`, `info`, `get_weight_version` answer while the others are busy, so a
   fleet sees within seconds whether the process is alive.
 
 Only `LLM`'s public methods are used, so the engine's internals may change underneath.
@@ -65,7 +66,7 @@ class EngineReplica:
 
     def __init__(self, model: str | None = None, device: str = "auto", engine_kwargs: dict | None = None,
                  visible_devices: list[int] | None = None, replica_index: int = 0,
-                 wait_if_asleep: float | None = 0.0) -> None:
+                 wait_if_asleep: float | None = 0.0, wait_if_paused: float | None = 0.0) -> None:
         if visible_devices is not None:  # before torch initializes CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(d)) for d in visible_devices)
         # Imported here, in the actor's process, after the line above: a driver that only routes never loads the
@@ -81,9 +82,10 @@ class EngineReplica:
             torch.set_num_threads(threads)  # the CPUs Ray gave this replica, not every core of the host
         self.replica_index = replica_index
         self.incarnation = uuid.uuid4().hex  # a restarted replica is a new incarnation
-        # wait_if_asleep: 0 (a fleet refuses requests while it sleeps); OpenRLHF's surface lets them wait
-        self.llm = LLM(model, device=device, wait_if_asleep=wait_if_asleep, **(engine_kwargs or {}))
-        self.weight_version: int | str = 0
+        # wait_if_asleep: 0 (a fleet refuses requests while it sleeps); OpenRLHF's surface lets them wait.
+        # wait_if_paused: how long requests sent during a pause wait for the resume.
+        self.llm = LLM(model, device=device, wait_if_asleep=wait_if_asleep, wait_if_paused=wait_if_paused,
+                       **(engine_kwargs or {}))
         self._lock = threading.Lock()
         self._in_flight = 0      # prompts inside `generate` now
         self._served = 0         # prompts answered
@@ -91,13 +93,14 @@ class EngineReplica:
 
     # ---- generation ---------------------------------------------------------------------------------
     @portable
-    def generate(self, prompts, sampling_params=None) -> list:
-        """`LLM.generate`: outputs in input order (RequestOutput objects, vLLM's shape)."""
+    def generate(self, prompts, sampling_params=None, request_ids: list[str] | None = None) -> list:
+        """`LLM.generate`: outputs in input order (RequestOutput objects, vLLM's shape); `request_ids` (one per
+        prompt) make them abortable by id."""
         count = len(prompts) if isinstance(prompts, list | tuple) else 1
         with self._lock:
             self._in_flight += count
         try:
-            outputs = self.llm.generate(prompts, sampling_params)
+            outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False, request_ids=request_ids)
         finally:
             with self._lock:
                 self._in_flight -= count
@@ -120,6 +123,36 @@ class EngineReplica:
     @portable
     def is_sleeping(self) -> bool:
         return self.llm.is_sleeping()
+
+    @ray.method(concurrency_group="control")
+    @portable
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """`LLM.pause_generation`: "abort", "wait", "keep" (requests frozen with their KV), "retract"; requests
+        sent meanwhile wait for `resume_generation`."""
+        self.llm.pause_generation(mode, clear_cache)
+
+    @ray.method(concurrency_group="control")
+    @portable
+    def resume_generation(self) -> None:
+        self.llm.resume_generation()
+
+    @ray.method(concurrency_group="control")
+    @portable
+    def is_paused(self) -> bool:
+        return self.llm.is_paused()
+
+    @ray.method(concurrency_group="control")
+    @portable
+    def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """Abort these requests (None: every one) without pausing; their `generate` returns them, finish_reason
+        "abort". Returns how many this replica held."""
+        return self.llm.abort_requests(request_ids)
+
+    @ray.method(concurrency_group="control")
+    @portable
+    def update_weight_version(self, new_version: int | str) -> None:
+        """The label of the weights served (the engine's: tokens sampled from now on carry it)."""
+        self.llm.update_weight_version(str(new_version))
 
     @ray.method(concurrency_group="control")
     @portable
@@ -189,8 +222,8 @@ class EngineReplica:
 
     @ray.method(concurrency_group="health")
     @portable
-    def set_weight_version(self, version: int | str) -> None:
-        self.weight_version = version
+    def get_weight_version(self) -> str:
+        return self.llm.get_weight_version()
 
     @ray.method(concurrency_group="health")
     @portable
@@ -217,7 +250,7 @@ class EngineReplica:
         return {"replica": self.replica_index, "serving": state.serving, "sleep_level": state.sleep_level,
                 "weights_valid": state.weights_valid, "num_running": state.num_running,
                 "num_waiting": state.num_waiting, "in_flight": in_flight, "served": served,
-                "kv_cache": kv, "kv_cache_resident_bytes": kv_bytes, "weight_version": self.weight_version,
+                "kv_cache": kv, "kv_cache_resident_bytes": kv_bytes, "weight_version": self.llm.get_weight_version(),
                 "uptime_s": time.time() - self._started}
 
     @ray.method(concurrency_group="health")

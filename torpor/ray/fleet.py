@@ -16,6 +16,12 @@ fleet's current weights: the checkpoint (no update yet, or `reload_weights(path)
 update when the caller handed them to the fleet as `source=` (kept in Ray's object store); otherwise it stays
 "stale" until the next update reaches it. A control call waits (within its timeout) for replicas that are
 restarting, then includes them; one it still cannot reach is listed in the results' `excluded`.
+
+Pause, abort and the weights' label are vLLM's calls, run by every replica's engine (`LLM.pause_generation`,
+`abort_requests`, `update_weight_version`): a paused fleet's replicas hold the requests sent meanwhile until
+`resume_generation`; aborted requests come back from `generate` as they are (finish_reason "abort"), not sent
+again; a replica restarted during a pause starts paused; the label (`weight_version`, a str on the engine's
+tokens) moves with every update.
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ class RolloutFleet:
         self._version: int | str = 0
         self._source = WeightSource(checkpoint=True, path=model)
         self._sleep_level: int | None = None
+        self._paused: str | None = None        # pause_generation's mode while the fleet is paused
         self._woken: list[str] = []            # tags woken since the last sleep (a partial wake)
         self._groups: dict[str, dict[int, str]] = {}  # weights update group -> {replica: incarnation} joined
         self._affinity: OrderedDict[object, int] = OrderedDict()
@@ -133,8 +140,10 @@ class RolloutFleet:
     # ---- starting replicas ----------------------------------------------------------------------------
     def _spawn(self, replica: Replica):
         options = replica.slot.actor_options()
+        # wait_if_paused: requests a paused replica holds wait (the fleet's generate has its own deadline)
         return EngineActor.options(max_restarts=0, max_task_retries=0, **options).remote(
-            self.model, self.device, self.engine_kwargs, replica.slot.visible_devices, replica.index)
+            self.model, self.device, self.engine_kwargs, replica.slot.visible_devices, replica.index,
+            wait_if_paused=self.generate_timeout)
 
     def _start_all(self) -> None:
         handles = {r.index: self._spawn(r) for r in self._replicas}
@@ -151,11 +160,13 @@ class RolloutFleet:
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, *, group_ids: list | None = None,
-                 timeout: float | None = None) -> list:
+                 request_ids: list[str] | None = None, timeout: float | None = None) -> list:
         """Complete every prompt (text, token ids, or `{"prompt": ...}` / `{"prompt_token_ids": ...}`); one
         `RequestOutput` per prompt, in input order. `sampling_params`: one SamplingParams or one per prompt
         (`n` samples of a prompt stay on one replica). `group_ids`: None, or one hashable per prompt (None
-        entries: no group); prompts of one group go to one replica. A replica that dies meanwhile has its
+        entries: no group); prompts of one group go to one replica. `request_ids`: one unique str per prompt (for
+        `abort_requests`). While the fleet is paused the prompts wait for `resume_generation`. A replica that dies
+        meanwhile has its
         prompts sent to the others; TimeoutError (FleetTimeoutError) after `timeout` names the replicas whose
         answers are missing; FleetError carries a replica's own error (bad input is refused by the replica as
         `LLM.generate` refuses it)."""
@@ -164,6 +175,12 @@ class RolloutFleet:
             raise RuntimeError(f"the fleet sleeps (level {self._sleep_level}"
                                f"{', woken: ' + ', '.join(self._woken) if self._woken else ''}): call wake_up() first")
         units = units_of(prompts, sampling_params, group_ids)
+        if request_ids is not None:
+            if not isinstance(request_ids, list | tuple) or len(request_ids) != len(prompts) or \
+                    len(set(request_ids)) != len(prompts) or not all(isinstance(r, str) and r for r in request_ids):
+                raise ValueError(f"request_ids must be {len(prompts)} distinct non-empty strings, one per prompt")
+            for unit in units:
+                unit.ids = [request_ids[i] for i in unit.indices]
         timeout = self.generate_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         outputs: list = [None] * len(prompts)
@@ -216,7 +233,8 @@ class RolloutFleet:
                 params = [p for u in batch for p in u.params]
                 if all(p is None for p in params):
                     params = None  # the model's default sampling parameters (LLM.generate's default)
-                ref = replica.handle.generate.remote(prompts, params)
+                ids = [i for u in batch for i in u.ids] if batch[0].ids is not None else None
+                ref = replica.handle.generate.remote(prompts, params, ids)
                 weight = sum(u.weight for u in batch)
                 ref.future().add_done_callback(lambda _, r=replica, w=weight: self._answered(r, w))
                 pending[ref] = (replica, batch)
@@ -375,9 +393,58 @@ class RolloutFleet:
         include = {i for i, incarnation in members.items() if self._replicas[i].incarnation == incarnation}
         return self._fan_out("destroy_weights_update_group", (group_name,), timeout=timeout, only=include)
 
-    # ---- pause / abort / weight versions in the engine: added here once `LLM` offers them
-    # (pause_generation(mode), resume_generation(), abort(request_ids), the engine's own weight version); until
-    # then the fleet holds the version (`weight_version`) and each replica's actor its copy of it.
+    # ---- pause, abort, the weights' label (vLLM's names; each replica's engine does it) ---------------------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True, *,
+                         timeout: float | None = None) -> FleetResults:
+        """Every replica pauses (`LLM.pause_generation`): "abort" ends the requests in flight (`generate` returns
+        them with the tokens they have, finish_reason "abort"), "wait" lets the running ones finish first, "keep"
+        freezes them with their KV (recomputed after the resume when `clear_cache`), "retract". Requests sent
+        meanwhile wait for `resume_generation`. If a replica refuses, the ones that paused are resumed and
+        FleetError names the refusals."""
+        with self._lock:
+            before, self._paused = self._paused, mode  # a replica restarted from now on starts paused
+        results = self._fan_out("pause_generation", (mode, clear_cache), timeout=timeout, strict=False)
+        failed = getattr(results, "failed", {})
+        if failed:
+            with self._lock:
+                self._paused = before
+            if before is None:
+                paused = {i for i in range(len(self._replicas)) if i not in failed and i not in results.excluded}
+                self._fan_out("resume_generation", only=paused, timeout=timeout, strict=False)
+            self._raise_failed("pause_generation", results)
+        return results
+
+    def resume_generation(self, *, timeout: float | None = None) -> FleetResults:
+        """Every replica resumes: requests held during the pause run."""
+        results = self._fan_out("resume_generation", timeout=timeout)
+        with self._lock:
+            self._paused = None
+        return results
+
+    def is_paused(self) -> bool:
+        return self._paused is not None
+
+    def abort_requests(self, request_ids: list[str] | None = None, *, timeout: float | None = None) -> FleetResults:
+        """Abort the requests with these ids (None: every request in flight) on every replica, without pausing;
+        their `generate` returns them (finish_reason "abort"). Per replica: how many it aborted."""
+        return self._fan_out("abort_requests", (None if request_ids is None else list(request_ids),),
+                             timeout=timeout)
+
+    def update_weight_version(self, new_version: int | str, *, timeout: float | None = None) -> FleetResults:
+        """Relabel the weights served (not touched): every replica at the fleet's version takes the new label,
+        and so does a replica restarted later; a stale one keeps its own until an update reaches it."""
+        with self._lock:
+            current = {r.index for r in self._replicas if r.weight_version == self._version}
+        results = self._fan_out("update_weight_version", (new_version,), timeout=timeout, only=current)
+        with self._lock:
+            self._version = new_version
+            for i in current - set(results.excluded):
+                self._replicas[i].weight_version = new_version
+            self._notify()
+        return results
+
+    def get_weight_version(self) -> int | str:
+        return self._version
 
     # ---- state --------------------------------------------------------------------------------------
     @property
@@ -490,7 +557,7 @@ class RolloutFleet:
                 self._version = version
                 for i in took:
                     self._replicas[i].weight_version = version
-                    self._replicas[i].handle.set_weight_version.remote(version)
+                    self._replicas[i].handle.update_weight_version.remote(version)  # in order, after the update
                     if self._replicas[i].state == "stale":  # caught up
                         self._replicas[i].state, self._replicas[i].last_error = "serving", None
                 for r in self._replicas:
@@ -567,17 +634,19 @@ class RolloutFleet:
                 ray.get(handle.reload_weights.remote(source.path), timeout=timeout)
             elif source.tensors is not None:
                 ray.get(handle.update_weights.remote(source.tensors), timeout=timeout)
-            ray.get(handle.set_weight_version.remote(version), timeout=timeout)
+            ray.get(handle.update_weight_version.remote(version), timeout=timeout)
             with self._lock:
                 if self._version == version:
                     replica.weight_version, state = version, "serving"
                     break
         with self._lock:
-            level, woken = self._sleep_level, list(self._woken)
+            level, woken, paused = self._sleep_level, list(self._woken), self._paused
         if level is not None:
             ray.get(handle.sleep.remote(level), timeout=timeout)
             if woken:
                 ray.get(handle.wake_up.remote(woken), timeout=timeout)
+        if paused is not None:
+            ray.get(handle.pause_generation.remote(paused, False), timeout=timeout)
         return state
 
 

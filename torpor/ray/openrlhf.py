@@ -18,9 +18,9 @@
 The trainer's side of the group must be torpor's (`stateless_init_process_group` here, in place of OpenRLHF's,
 which builds vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`): the engine joins a torch process group on the
 trainer's TCP store. Differences from vLLM's actor, each refused by name or documented in docs/ray.md:
-`pause_generation()` pauses by letting running requests finish (vLLM's mode "wait"; OpenRLHF asks for "keep",
-which needs the engine's pause, not there yet); `use_ray=True` (ray.util.collective) is refused; `sampling_params`
-is a torpor SamplingParams (vLLM's field names) or a dict of its fields.
+`use_ray=True` (ray.util.collective) is refused; `sampling_params` is a torpor SamplingParams (vLLM's field names)
+or a dict of its fields. `pause_generation()` is vLLM's `pause_generation(mode="keep")`, as OpenRLHF's actor calls
+it: running requests freeze and, since the cache is cleared, recompute under the new weights after the resume.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class OpenRLHFReplica(EngineReplica):
 
     def __init__(self, model: str, device: str = "auto", engine_kwargs: dict | None = None,
                  visible_devices: list[int] | None = None, replica_index: int = 0) -> None:
-        super().__init__(model, device, engine_kwargs, visible_devices, replica_index, wait_if_asleep=WAIT_IF_ASLEEP_S)
+        super().__init__(model, device, engine_kwargs, visible_devices, replica_index, wait_if_asleep=WAIT_IF_ASLEEP_S,
+                         wait_if_paused=WAIT_IF_ASLEEP_S)
         self._group_name: str | None = None
 
     @ray.method(concurrency_group="control")
@@ -91,15 +92,14 @@ class OpenRLHFReplica(EngineReplica):
     @ray.method(concurrency_group="control")
     @portable
     def pause_generation(self) -> None:
-        """Stop starting requests; running ones finish first (the engine's level-0 sleep: vLLM's mode "wait").
-        Requests sent meanwhile wait and run after `resume_generation()`."""
-        self.llm.sleep(0)
+        """Freeze generation (vLLM's mode "keep", clear_cache=True): running requests stop and are recomputed after
+        `resume_generation()` (under the weights sent meanwhile); requests sent meanwhile wait."""
+        self.llm.pause_generation("keep", True)
 
     @ray.method(concurrency_group="control")
     @portable
     def resume_generation(self) -> None:
-        if self.llm.state.sleep_level == 0:
-            self.llm.wake_up()
+        self.llm.resume_generation()
 
     @portable
     def generate(self, prompt_token_ids: list[int], sampling_params, multi_modal_data=None):

@@ -17,6 +17,7 @@ class Unit:
     prompts: list = field(default_factory=list)
     params: list = field(default_factory=list)
     weight: int = 0
+    ids: list[str] | None = None  # the caller's request ids, one per prompt (None: the engine numbers them)
 
 
 def prompt_list(prompts) -> list:

@@ -6,13 +6,14 @@ registers it).
   torpor engine of `tensor_model_parallel_size` ranks.
 - `TorporServer`: that actor; verl's server methods (token-in-token-out `generate` → `TokenOutput`, `wake_up`,
   `sleep`, `clear_kv_cache`, `release_kv_cache`, `resume_kv_cache`, `wait_for_requests_to_drain`,
-  `set_global_steps`) over an `EngineReplica`.
+  `set_global_steps`, and for partial rollout `abort_all_requests` (the engine stays paused, as vLLM's server
+  leaves it), `abort_request`, `resume_generation`) over an `EngineReplica`.
 - `TorporRollout` (verl's `BaseRollout`, in `_ROLLOUT_REGISTRY` as ("torpor", "async")): the trainer worker's
   side in hybrid mode: `resume(tags)` wakes, `release()` sleeps, `update_weights(weights, **kwargs)` sends the
   trainer's tensors in flattened buckets by reference (CUDA IPC on GPU, shared memory on CPU) to the server's
   `update_weights_from_tensor`, then clears the prefix cache.
 
-Not there yet (refused by name): `abort_all_requests` / `abort_request` (the engine has no abort yet), images,
+Not there yet (refused by name): images,
 video and audio, the `delta_flush` wire format, multi-node replicas, PD disaggregation; the replica has no HTTP
 address (`server_address` is None: verl's token-in-token-out path uses the server handle).
 """
@@ -56,8 +57,12 @@ class TorporServer(EngineReplica):
     def __init__(self, model: str, config, rollout_mode: str, replica_rank: int,
                  visible_devices: list[int] | None = None) -> None:
         device = "cuda" if visible_devices else "cpu"
-        super().__init__(model, device, engine_kwargs_of(config), visible_devices, replica_rank)
+        # requests sent while an abort_all_requests pause holds wait for resume_generation
+        super().__init__(model, device, engine_kwargs_of(config), visible_devices, replica_rank,
+                         wait_if_paused=DRAIN_TIMEOUT_S)
         self.config, self.rollout_mode, self.global_steps = config, RolloutMode(rollout_mode), None
+        self._requests: set[str] = set()   # verl's request ids in flight
+        self._rejecting = False            # abort_all_requests(reject_request=True) until resume_generation
         self.max_model_len = self.llm.config.max_model_len
 
     @portable
@@ -71,12 +76,24 @@ class TorporServer(EngineReplica):
         if refused:
             raise ValueError(f"generate: {', '.join(refused)} not supported by torpor's engine (text only)")
         params = self._sampling_params(list(prompt_ids), dict(sampling_params))
-        output = super().generate([{"prompt_token_ids": list(prompt_ids)}], params)[0]
+        with self._lock:
+            if self._rejecting:  # behind an abort_all_requests(reject_request=True): answered aborted at once
+                return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted",
+                                   extra_fields={"global_steps": self.global_steps})
+            if request_id in self._requests:
+                raise ValueError(f"generate: request {request_id!r} is already running")
+            self._requests.add(request_id)
+        try:
+            output = super().generate([{"prompt_token_ids": list(prompt_ids)}], params, [request_id])[0]
+        finally:
+            with self._lock:
+                self._requests.discard(request_id)
         completion = output.outputs[0]
         log_probs = None
         if params.logprobs is not None:
             log_probs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)]
-        stop = "completed" if completion.finish_reason in ("stop", "length") else completion.finish_reason
+        reason = completion.finish_reason
+        stop = "aborted" if reason == "abort" else "completed" if reason in ("stop", "length") else reason
         return TokenOutput(token_ids=list(completion.token_ids), log_probs=log_probs, stop_reason=stop,
                            extra_fields={"global_steps": self.global_steps,
                                          "num_cached_tokens": output.num_cached_tokens})
@@ -157,16 +174,36 @@ class TorporServer(EngineReplica):
         self.global_steps = global_steps
 
     @ray.method(concurrency_group="control")
+    @portable
     def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        raise RuntimeError("abort_all_requests: torpor's engine cannot abort requests yet (partial rollout needs it)")
+        """Abort every request (their `generate` returns stop_reason "aborted" with the tokens they have) and stay
+        paused until `resume_generation` (vLLM's pause_generation(mode="abort"), as verl's vLLM server does):
+        requests sent meanwhile wait, or with `reject_request` are answered aborted at once. The prefix cache is
+        reset with `reset_prefix_cache`. Returns {"aborted_count", "request_ids"}."""
+        with self._lock:
+            request_ids = sorted(self._requests)
+            self._rejecting = bool(reject_request)
+        self.llm.pause_generation("abort", bool(reset_prefix_cache))
+        return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
     @ray.method(concurrency_group="control")
+    @portable
     def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        raise RuntimeError("abort_request: torpor's engine cannot abort requests yet")
+        """Abort one request by verl's id: {"aborted": True, "request_id"}, or {"aborted": False, "error"} when it
+        is not running here."""
+        if self.llm.abort_requests([request_id]) == 0:
+            return {"aborted": False, "error": f"Request {request_id} not found"}
+        if reset_prefix_cache:
+            self.llm.reset_prefix_cache()
+        return {"aborted": True, "request_id": request_id}
 
     @ray.method(concurrency_group="control")
+    @portable
     def resume_generation(self) -> None:
-        """Nothing to resume: requests are never aborted or held here."""
+        """End the pause of `abort_all_requests`: held requests run, new ones are taken again."""
+        with self._lock:
+            self._rejecting = False
+        self.llm.resume_generation()
 
 
 class TorporReplica(RolloutReplica):
