@@ -12,8 +12,9 @@ from torpor.engine.attention.torch_backend import TorchAttentionBackend
 from torpor.engine.models import ModelConfig, build_model
 from torpor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from torpor.engine.weights.loader import load_weights
+from torpor.engine.weights.manifest import weight_specs
 from torpor.synthetic import PRESETS, default_model_path, make_model
-from torpor.synthetic.generator import config_json, plan_shards, weight_specs
+from torpor.synthetic.generator import config_json, plan_shards
 from torpor.synthetic.tokenizer_builder import build_tokenizer, special_token_ids
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")

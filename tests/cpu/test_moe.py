@@ -197,8 +197,9 @@ def test_the_30b_preset_checkpoint_covers_its_model_exactly():
     from torpor.engine.attention.torch_backend import TorchAttentionBackend
     from torpor.engine.models import build_model
     from torpor.engine.weights.loader import plan_copies
+    from torpor.engine.weights.manifest import weight_specs
     from torpor.synthetic import get_preset, preset_bytes
-    from torpor.synthetic.generator import config_json, weight_specs
+    from torpor.synthetic.generator import config_json
 
     config = ModelConfig.from_dict(config_json(get_preset("qwen3-30b-a3b"), "bfloat16"))
     assert (config.num_hidden_layers, config.hidden_size, config.num_experts, config.num_experts_per_tok,
@@ -365,3 +366,25 @@ def test_dummy_weights_need_no_checkpoint_and_reload_bit_exact(tmp_path, capsys)
     engine.reload_weights()
     assert answers(engine) == before
     assert answers(LLM(path, load_format="dummy", seed=1, **ENGINE)) != before  # another seed, other weights
+
+
+def test_dummy_weights_take_a_trainers_weights_by_name(tmp_path, tiny_moe_path, seed1_path, llm):
+    """vLLM's RL start: an engine on dummy weights, then the trainer's tensors (per-expert names) — it then answers
+    as an engine on that checkpoint; after a level-2 sleep it names the checkpoint's tensors still missing."""
+    from torpor.cli.main import main
+
+    path = str(tmp_path / "config-only")
+    assert main(["make-model", "tiny-moe", path, "--dtype", "float32", "--config-only"]) == 0
+    engine = LLM(path, load_format="dummy", **ENGINE)
+    assert answers(engine) != answers(llm)
+    with pytest.raises(ValueError, match=r"unknown tensor 'model\.layers\.0\.mlp\.experts\.99\.up_proj\.weight'"):
+        engine.update_weights([("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(1))])
+    assert engine.update_weights(iter_checkpoint(tiny_moe_path)) > 0
+    assert answers(engine) == answers(llm)
+    engine.sleep(2)
+    engine.wake_up()
+    missing = r"\(80 tensors not written since: lm_head\.weight, model\.embed_tokens\.weight"
+    with pytest.raises(RuntimeError, match=missing):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    engine.update_weights(iter_checkpoint(seed1_path))
+    assert answers(engine) == answers(LLM(seed1_path, **ENGINE))

@@ -47,7 +47,6 @@ from torpor.memory import CheckpointUnsupportedError, Report
 
 logger = logging.getLogger("torpor.engine")
 DEFAULT_GROUP_TIMEOUT_S = 120.0
-DUMMY_WEIGHTS = "(the dummy weights: reload_weights() draws them again)"  # what "whole" means without a checkpoint
 
 
 @dataclass(frozen=True)
@@ -121,11 +120,10 @@ class LLMEngine:
         self.model_config = model_config = driver.runner.model_config
         self.vocab_size = model_config.vocab_size
         ignored = driver.runner.model.is_ignored_weight
-        if config.load_format == "dummy":  # no checkpoint: nothing to update by name; whole again only by a reload
-            manifest, names = Manifest({}), frozenset({DUMMY_WEIGHTS})
-        else:
-            manifest = Manifest.of_checkpoint(config.model)
-            names = weight_names(manifest, ignored)
+        # dummy weights: the checkpoint the config describes (vLLM's RL start: dummy weights, then the trainer's)
+        manifest = (Manifest.of_config(model_config) if config.load_format == "dummy"
+                    else Manifest.of_checkpoint(config.model))
+        names = weight_names(manifest, ignored)
         tags = memory.tags() if memory is not None else []
         self.lifecycle = Lifecycle(tags, names)
         self.scheduler = Scheduler(self.config, model_config.eos_token_ids, self.lifecycle)

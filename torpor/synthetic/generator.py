@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from torpor.engine.models.config import DTYPES, ModelConfig
+from torpor.engine.weights.manifest import TensorSpec, weight_specs
 from torpor.env import Env
 from torpor.synthetic.presets import Preset, get_preset
 from torpor.synthetic.safetensors_writer import tensor_nbytes, write_header, write_tensor
@@ -28,7 +29,6 @@ DEFAULT_PRESET = "tiny"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's "5GB"
 _CHUNK = 1 << 22  # elements drawn per call: bounds the float32 temporaries
 
-TensorSpec = tuple[str, tuple[int, ...]]
 
 
 def make_model(
@@ -104,48 +104,6 @@ def _generate_once(preset: str, path: Path, dtype: str | None, progress: bool) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def weight_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Every checkpoint tensor (Hugging Face names) with its shape, in checkpoint order."""
-    h, d = config.hidden_size, config.head_dim
-    specs: list[TensorSpec] = [("model.embed_tokens.weight", (config.vocab_size, h))]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        specs.append((p + "input_layernorm.weight", (h,)))
-        for proj, size in (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size)):
-            specs.append((f"{p}self_attn.{proj}.weight", (size, h)))
-            if config.qkv_bias:
-                specs.append((f"{p}self_attn.{proj}.bias", (size,)))
-        specs.append((p + "self_attn.o_proj.weight", (h, config.q_size)))
-        if config.o_proj_bias:
-            specs.append((p + "self_attn.o_proj.bias", (h,)))
-        if config.qk_norm:
-            specs += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
-        specs.append((p + "post_attention_layernorm.weight", (h,)))
-        if i in config.moe_layers:
-            specs += _expert_specs(config, p)
-            continue
-        for proj, shape in (("gate_proj", (config.intermediate_size, h)), ("up_proj", (config.intermediate_size, h)),
-                            ("down_proj", (h, config.intermediate_size))):  # fmt: skip
-            specs.append((f"{p}mlp.{proj}.weight", shape))
-            if config.mlp_bias:
-                specs.append((f"{p}mlp.{proj}.bias", shape[:1]))
-    specs.append(("model.norm.weight", (h,)))
-    if not config.tie_word_embeddings:
-        specs.append(("lm_head.weight", (config.vocab_size, h)))
-    return specs
-
-
-def _expert_specs(config: ModelConfig, prefix: str) -> list[TensorSpec]:
-    """A sparse layer's MLP as Qwen3-MoE checkpoints hold it: the router, then each expert's three projections."""
-    h, i = config.hidden_size, config.moe_intermediate_size
-    specs: list[TensorSpec] = [(prefix + "mlp.gate.weight", (config.num_experts, h))]
-    for e in range(config.num_experts):
-        expert = f"{prefix}mlp.experts.{e}."
-        specs += [(expert + "gate_proj.weight", (i, h)), (expert + "up_proj.weight", (i, h)),
-                  (expert + "down_proj.weight", (h, i))]
-    return specs
 
 
 def generate_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

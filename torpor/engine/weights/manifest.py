@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torpor.engine.models.config import ModelConfig
 from torpor.engine.models.layers.loading import LOADABLE_DTYPES
 from torpor.engine.models.layers.moe import EXPERT_WEIGHT, PROJECTIONS
 from torpor.engine.weights.index import read_headers
+
+TensorSpec = tuple[str, tuple[int, ...]]  # a checkpoint tensor's name and full shape
 
 
 # ---- checks against the engine's checkpoint ---------------------------------------------------------
@@ -29,6 +32,12 @@ class Manifest:
     def of_checkpoint(cls, path: str) -> Manifest:
         """From the safetensors headers of the checkpoint folder `path` (no tensor data is read)."""
         shapes = {entry.name: entry.shape for entry in read_headers(path)}
+        return cls(shapes, fused_expert_names(shapes))
+
+    @classmethod
+    def of_config(cls, config: ModelConfig) -> Manifest:
+        """The checkpoint `config` describes (engines on dummy weights: a trainer may then send every tensor)."""
+        shapes = dict(weight_specs(config))
         return cls(shapes, fused_expert_names(shapes))
 
     def covered(self, names: Iterable[str]) -> set[str]:
@@ -93,3 +102,45 @@ def _numel(shape: Iterable[int]) -> int:
         n *= d
     return n
 
+
+def weight_specs(config: ModelConfig) -> list[TensorSpec]:
+    """Every tensor of a checkpoint of `config` (Hugging Face names) with its shape, in checkpoint order: what
+    the synthetic checkpoints write, and the manifest of an engine on dummy weights."""
+    h, d = config.hidden_size, config.head_dim
+    specs: list[TensorSpec] = [("model.embed_tokens.weight", (config.vocab_size, h))]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        specs.append((p + "input_layernorm.weight", (h,)))
+        for proj, size in (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size)):
+            specs.append((f"{p}self_attn.{proj}.weight", (size, h)))
+            if config.qkv_bias:
+                specs.append((f"{p}self_attn.{proj}.bias", (size,)))
+        specs.append((p + "self_attn.o_proj.weight", (h, config.q_size)))
+        if config.o_proj_bias:
+            specs.append((p + "self_attn.o_proj.bias", (h,)))
+        if config.qk_norm:
+            specs += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+        specs.append((p + "post_attention_layernorm.weight", (h,)))
+        if i in config.moe_layers:
+            specs += _expert_specs(config, p)
+            continue
+        for proj, shape in (("gate_proj", (config.intermediate_size, h)), ("up_proj", (config.intermediate_size, h)),
+                            ("down_proj", (h, config.intermediate_size))):  # fmt: skip
+            specs.append((f"{p}mlp.{proj}.weight", shape))
+            if config.mlp_bias:
+                specs.append((f"{p}mlp.{proj}.bias", shape[:1]))
+    specs.append(("model.norm.weight", (h,)))
+    if not config.tie_word_embeddings:
+        specs.append(("lm_head.weight", (config.vocab_size, h)))
+    return specs
+
+
+def _expert_specs(config: ModelConfig, prefix: str) -> list[TensorSpec]:
+    """A sparse layer's MLP as Qwen3-MoE checkpoints hold it: the router, then each expert's three projections."""
+    h, i = config.hidden_size, config.moe_intermediate_size
+    specs: list[TensorSpec] = [(prefix + "mlp.gate.weight", (config.num_experts, h))]
+    for e in range(config.num_experts):
+        expert = f"{prefix}mlp.experts.{e}."
+        specs += [(expert + "gate_proj.weight", (i, h)), (expert + "up_proj.weight", (i, h)),
+                  (expert + "down_proj.weight", (h, i))]
+    return specs
