@@ -152,41 +152,39 @@ def test_fp32_matches_transformers(checkpoints):
         assert np.array_equal(completion.routed_experts, chosen[len(prompt) - 1:])
 
 
-def test_bf16_greedy_matches_transformers_on_16_prompts(checkpoints):
-    """bf16 both, transformers' eager experts loop (the same rounding points and the same ascending-expert sum):
-    greedy tokens equal, except where the two may part at a near-tie, as vLLM's own comparisons against
-    transformers allow (`check_logprobs_close`): at the first step where they differ, transformers' logit of
-    torpor's token must be within 0.125 of its top logit (a few bf16 steps at logits of 2-16; on the H200 three
-    tokens within 0.0625 parted), or some layer's router must have its k-th and (k+1)-th expert logits within 0.05
-    (a different expert set either way); the rest of that prompt is not compared, and at most 2 of the 16 prompts
-    may part."""
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoints):
+    """bf16 greedy rollouts of 16 prompts, judged against transformers in fp32 on the same tokens, beside
+    transformers in bf16 (eager experts) on the same tokens, which measures the noise bf16 itself brings: torpor's
+    |logprob - fp32| of its tokens averages at most 1.5x transformers bf16's, and torpor's tokens leave fp32's
+    greedy choice on at most 2 more prompts than transformers bf16's own greedy choice does. Equal greedy tokens
+    against transformers bf16 cannot be asked of a random tiny model: on the H200 even the dense tiny preset parts
+    from it on 4 of 16 prompts (at top-two gaps of 0-0.016), and where they part torpor's token is as often fp32's
+    choice as transformers'; scripts/probe_bf16_vs_transformers.py prints it."""
     transformers = pytest.importorskip("transformers")
-    path = checkpoints["bfloat16"]
-    llm = LLM(path, **SMALL)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager")
-    hf, top_k = hf.cuda().eval(), hf.config.num_experts_per_tok
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ties = 0
-    for prompt, out in zip(prompts(16, seed=2), llm.generate(prompts(16, seed=2), params), strict=True):
-        tokens = out.outputs[0].token_ids
+    llm = LLM(checkpoints["bfloat16"], **SMALL)
+    hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoints[dtype], dtype=getattr(torch, dtype), experts_implementation="eager").cuda().eval()
+        for dtype in ("bfloat16", "float32")}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    batch = prompts(16, seed=2)
+    mine, theirs, parted = [], [], {"torpor": 0, "transformers bf16": 0}
+    for prompt, out in zip(batch, llm.generate(batch, params), strict=True):
+        completion = out.outputs[0]
+        chosen = torch.tensor(completion.token_ids, device="cuda")
+        ids = torch.tensor([prompt + list(completion.token_ids)[:-1]], device="cuda")
         with torch.inference_mode():
-            result = hf(torch.tensor([prompt + tokens[:-1]], device="cuda"), output_router_logits=True)
-        logits = result.logits[0, len(prompt) - 1:].float()
-        top2 = logits.topk(2, -1)
-        token_gap = top2.values[:, 0] - top2.values[:, 1]
-        routers = torch.stack([r.float()[-len(tokens):].topk(top_k + 1, -1).values for r in result.router_logits])
-        router_gap = (routers[..., top_k - 1] - routers[..., top_k]).amin(0)  # the closest layer, per step
-        for step, token in enumerate(tokens):
-            if token == top2.indices[step, 0].item():
-                continue
-            below = (top2.values[step, 0] - logits[step, token]).item()  # how far below transformers' best
-            if below <= 0.125 or router_gap[step] < 0.05:
-                ties += 1
-                break
-            raise AssertionError(
-                f"prompt {prompt[:4]}..., step {step}: torpor {token}, {below:.4f} below transformers' top "
-                f"{top2.indices[step].tolist()} (gap {token_gap[step]:.4f}), router gap {router_gap[step]:.4f}")
-    assert ties <= 2
+            lp = {d: torch.log_softmax(m(ids).logits[0, len(prompt) - 1:].float(), -1) for d, m in hf.items()}
+        reference = lp["float32"].gather(-1, chosen[:, None])[:, 0]
+        own = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)],
+                           device="cuda")
+        mine.append((own - reference).abs())
+        theirs.append((lp["bfloat16"].gather(-1, chosen[:, None])[:, 0] - reference).abs())
+        best = lp["float32"].argmax(-1)
+        parted["torpor"] += bool((chosen != best).any())
+        parted["transformers bf16"] += bool((lp["bfloat16"].argmax(-1) != best).any())
+    mine, theirs = torch.cat(mine), torch.cat(theirs)
+    assert mine.mean() <= 1.5 * theirs.mean(), (mine.mean().item(), theirs.mean().item())
+    assert parted["torpor"] <= parted["transformers bf16"] + 2, parted
 
 
 def test_cuda_graphs_match_eager_exactly(checkpoints):
