@@ -151,7 +151,8 @@ def child(model: str, gmu: float, delays: list[float], rounds: int) -> dict:
             torch.cuda.synchronize()
         l2.append({"s": round(time.perf_counter() - start, 4), **_round(record)})
     llm.close()
-    return {"gmu": gmu, "startup_phases": _round(llm.startup_phases), "reload_phases": reload_phases, "reload_after_l2": l2, "llm_returned_s": returned,
+    return {"gmu": gmu, "startup_phases": _round(llm.startup_phases), "reload_phases": reload_phases,
+            "reload_after_l2": l2, "llm_returned_s": returned,
             "reservation_done_after_return_s": reserved_after,
             "reservation_seconds": None if reservation is None else reservation.seconds,
             "reserved_gib": None if reservation is None else reservation.reserved_bytes / 2**30,
