@@ -4,11 +4,11 @@ PYTHONPATH each) are measured by the same code, side by side in one run. Prints 
     PYTHONPATH=old python3 scripts/bench_side_by_side.py MODEL --label old
     PYTHONPATH=.   python3 scripts/bench_side_by_side.py MODEL --label new
 
-In process: the first level-1 sleep right after `LLM()` returns (the host copies' background reservation may not
-have finished), then, once it has, level-1 sleep / full wake, level-1 sleep / weights-only wake / KV wake, level-2
-sleep / wake + reload (medians of --rounds). Then a `torpor serve` process on the same device and this process as
-the trainer: the push of the checkpoint's tensors (from the device) through `WeightPusher` and the RL step over HTTP
-(sleep level 2, wake weights, push, wake kv_cache), medians of --rounds.
+In process: `LLM()`'s seconds, the first level-1 sleep right after it returns (the host copies' background
+reservation may not have finished), then, once it has, level-1 sleep / full wake, level-1 sleep / weights-only
+wake / KV wake, level-2 sleep / wake + reload (medians of --rounds). Then a `torpor serve` process on the same
+device and this process as the trainer: the push of the checkpoint's tensors (from the device) through
+`WeightPusher` and the RL step over HTTP (sleep level 2, wake weights, push, wake kv_cache), medians of --rounds.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def timed(fn) -> float:
 def in_process(model: str, gmu: float, rounds: int) -> dict:
     from torpor import LLM
 
+    start = time.perf_counter()
     llm = LLM(model, gpu_memory_utilization=gmu)
+    init_s = time.perf_counter() - start
     first = {"sleep": timed(lambda: llm.sleep(1)), "wake": timed(llm.wake_up)}
     deadline = time.monotonic() + 120
     while not (llm.memory_usage().get("host_reservation") or {"done": True})["done"] and time.monotonic() < deadline:
@@ -57,7 +59,7 @@ def in_process(model: str, gmu: float, rounds: int) -> dict:
     usage = llm.memory_usage()
     weights = usage["tags"]["weights"]
     kv = usage["tags"]["kv_cache"]
-    result = {"first_l1_sleep_s": first["sleep"], "first_l1_wake_s": first["wake"],
+    result = {"llm_init_s": init_s, "first_l1_sleep_s": first["sleep"], "first_l1_wake_s": first["wake"],
               "weights_bytes": weights.get("reserved_bytes") or weights.get("allocated_bytes"),
               "kv_bytes": kv.get("reserved_bytes") or kv.get("allocated_bytes"),
               **{f"{k}_s": statistics.median(v) for k, v in rows.items()}}

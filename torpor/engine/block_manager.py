@@ -49,8 +49,10 @@ class BlockManager:
         """Forget every allocation and every cached block (the KV cache was discarded): all blocks free,
         in id order. Sequences that still hold blocks must have been preempted or finished by the caller."""
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))  # oldest first
-        # Which sequences hold each block: its reference count, and a check against double or stale frees.
-        self._holders: list[set[tuple[str, int]]] = [set() for _ in range(self.num_blocks)]
+        # Which sequences hold each block: its reference count, and a check against double or stale frees. None
+        # for a block nobody holds: a set per block would make a wake of a large cache (46k blocks) build 46k
+        # objects, and every later full garbage collection walk them.
+        self._holders: list[set[tuple[str, int]] | None] = [None] * self.num_blocks
         self._forget_keys()
 
     def reset_prefix_cache(self) -> None:
@@ -77,7 +79,7 @@ class BlockManager:
         return len(self._cached)
 
     def ref_count(self, block_id: int) -> int:
-        return len(self._holders[block_id])
+        return len(self._holders[block_id] or ())
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
@@ -200,15 +202,16 @@ class BlockManager:
         """Let go of `seq`'s blocks (each is freed when no other sequence holds it) and clear its cache state."""
         seq_id, holders_of, free = seq.seq_id, self._holders, self._free
         for block_id in seq.block_table:  # check all first, so a bad call changes nothing
-            if seq_id not in holders_of[block_id]:
+            if seq_id not in (holders_of[block_id] or ()):
                 raise RuntimeError(f"{seq.request_id!r} frees block {block_id}, which it does not hold "
-                                   f"(holders: {sorted(holders_of[block_id])})")
+                                   f"(holders: {sorted(holders_of[block_id] or ())})")
         # Tail first: the LRU order then evicts a prefix's tail before its head.
         table = reversed(seq.block_table) if self.enable_prefix_caching else seq.block_table
         for block_id in table:
             holders = holders_of[block_id]
             holders.discard(seq_id)
             if not holders:
+                holders_of[block_id] = None
                 free[block_id] = None
         seq.block_table = []
         seq.num_cached_tokens = 0
@@ -227,13 +230,16 @@ class BlockManager:
             self._block_id_key[block_id] = None
             if self._cached.get(entry[0]) == block_id:
                 del self._cached[entry[0]]
-        self._holders[block_id].add(seq.seq_id)
+        self._holders[block_id] = {seq.seq_id}  # a free block has no holder
         return block_id
 
     def _hold(self, block_id: int, seq: Sequence) -> None:
-        if not self._holders[block_id]:
+        holders = self._holders[block_id]
+        if not holders:
             del self._free[block_id]  # a cached free block comes back into use
-        self._holders[block_id].add(seq.seq_id)
+            self._holders[block_id] = {seq.seq_id}
+        else:
+            holders.add(seq.seq_id)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that are full once the scheduled step has run."""
