@@ -36,6 +36,7 @@ def timed(fn) -> float:
 
 def in_process(model: str, gmu: float, rounds: int) -> dict:
     from torpor import LLM
+    from torpor.engine.phase_times import collect
 
     start = time.perf_counter()
     llm = LLM(model, gpu_memory_utilization=gmu)
@@ -46,6 +47,7 @@ def in_process(model: str, gmu: float, rounds: int) -> dict:
         time.sleep(0.1)
     rows: dict[str, list[float]] = {k: [] for k in ("l1_sleep", "l1_wake", "l1_sleep_again", "weights_wake",
                                                     "kv_wake", "l2_sleep", "l2_wake", "reload")}
+    reload_phases: list[dict] = []
     for _ in range(rounds):
         llm.reload_weights()  # a write: the next level-1 sleep copies the weights again
         rows["l1_sleep"].append(timed(lambda: llm.sleep(1)))
@@ -55,14 +57,18 @@ def in_process(model: str, gmu: float, rounds: int) -> dict:
         rows["kv_wake"].append(timed(lambda: llm.wake_up(["kv_cache"])))
         rows["l2_sleep"].append(timed(lambda: llm.sleep(2)))
         rows["l2_wake"].append(timed(llm.wake_up))
-        rows["reload"].append(timed(llm.reload_weights))
+        with collect() as record:
+            rows["reload"].append(timed(llm.reload_weights))
+        reload_phases.append(record)
     usage = llm.memory_usage()
     weights = usage["tags"]["weights"]
     kv = usage["tags"]["kv_cache"]
     result = {"llm_init_s": init_s, "first_l1_sleep_s": first["sleep"], "first_l1_wake_s": first["wake"],
               "weights_bytes": weights.get("reserved_bytes") or weights.get("allocated_bytes"),
               "kv_bytes": kv.get("reserved_bytes") or kv.get("allocated_bytes"),
-              **{f"{k}_s": statistics.median(v) for k, v in rows.items()}}
+              **{f"{k}_s": statistics.median(v) for k, v in rows.items()},
+              "reload_phases_s": {k: statistics.median(r.get(k, 0.0) for r in reload_phases)
+                                  for k in sorted({k for r in reload_phases for k in r})}}
     llm.close()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -228,15 +228,18 @@ def load_weights(model: nn.Module, path: str | Path, staging=None) -> None:
     discarded. `staging`: reused `staging.StagingBuffers` (default: temporary ones)."""
 
     start = time.perf_counter()
-    entries, copies = plan_checkpoint(model, path)
+    with phase("load_plan"):
+        entries, copies = plan_checkpoint(model, path)
     planned = time.perf_counter()
     device = next(model.parameters()).device
     own = staging is None
     staging = StagingBuffers(device) if own else staging
     try:
-        nbytes = copy_planned(entries, copies, staging)
+        with phase("load_copy"):
+            nbytes = copy_planned(entries, copies, staging)
         copied = time.perf_counter()
-        check_finite(copies)
+        with phase("load_finite_check"):
+            check_finite(copies)
         logger.debug("loaded %.3f GB from %s: plan %.3f s, copy %.3f s (%.1f GB/s), finite check %.3f s",
                      nbytes / 1e9, path, planned - start, copied - planned,
                      nbytes / 1e9 / max(copied - planned, 1e-9), time.perf_counter() - copied)
@@ -248,7 +251,8 @@ def load_weights(model: nn.Module, path: str | Path, staging=None) -> None:
         if own:
             staging.close()
     if hasattr(model, "reset_buffers"):
-        model.reset_buffers()
+        with phase("load_reset_buffers"):
+            model.reset_buffers()
 
 
 def load_failed(path: str | Path, error: BaseException) -> CheckpointError:
