@@ -104,24 +104,11 @@ class ModelRunner:
         # pinned while the memory manager's tags and the model are built.
         self.staging = StagingBuffers(self.device, threads=config.load_threads or None)
         self.staging.prefetch(checkpoint_bytes(config.model))
-        if memory is not None and config.reserve_host_copies and config.load_format != "dummy":
-            self._prefault_host_copies(config)
         # The stream and its GEMM workspace are given up when the runner goes (see EngineStream.close).
         self._finalizer = weakref.finalize(self, self.engine_stream.close)
         self._finalizer.atexit = False  # no CUDA calls while the interpreter shuts down
         with self.engine_stream.scope():
             self._start(config)
-
-    def _prefault_host_copies(self, config: EngineConfig) -> None:
-        """The host memory of the weights' host copies (a level-1 sleep's) faulted in now, while the model is built
-        and before the load and the capture keep the cores busy (`MemoryManager.prefault_host`): the reservation
-        beside them then only registers it. Sized by this rank's share of the checkpoint (a little more for the
-        segments' rounding); copies beyond it are made one by one."""
-        nbytes = checkpoint_bytes(config.model) // config.tensor_parallel_size
-        try:
-            self.memory.prefault_host(int(nbytes * 1.01) + (64 << 20))
-        except MemoryError as exc:  # the reservation makes each copy itself (and says so if it cannot)
-            logger.warning("host copies not faulted in ahead: %s", exc)
 
     def _start(self, config: EngineConfig) -> None:
         on_gpu = self.device.type == "cuda"

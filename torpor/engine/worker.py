@@ -111,12 +111,7 @@ class Worker:
     def wait_host_copies(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for this rank's host copies to be reserved (started by its ModelRunner as
         soon as the weights exist); whether they are."""
-        if self.memory is None:
-            return True
-        done = self.memory.wait_reservation(timeout)
-        if done:
-            self.memory.finish_host_pool()  # what the weights' copies did not take goes back
-        return done
+        return self.memory is None or self.memory.wait_reservation(timeout)
 
     # ---- the CUDA context (levels 3 and 4; one GPU per process) --------------------------------------
     def check_checkpoint(self) -> None:

@@ -38,7 +38,7 @@ import torch
 
 from torpor.memory import cuda_driver
 from torpor.memory.cuda_driver import CudaDriverError, VirtualMemory
-from torpor.memory.host_buffer import REGISTER_MIN_BYTES, HostBuffer, HostPool
+from torpor.memory.host_buffer import HostBuffer
 from torpor.memory.segments import DeviceOutOfMemory, Segment, SegmentStore
 from torpor.memory.system import device_used_bytes
 from torpor.memory.types import HostMemoryError
@@ -98,7 +98,6 @@ class CudaBackend(SegmentStore):
         # H200): a discarding sleep hands its old host copies to this thread and returns at once.
         self._host_freer = ThreadPoolExecutor(1, thread_name_prefix="torpor-host-free")
         self._host_frees: list[Future] = []
-        self.host_pool: HostPool | None = None  # host copies faulted in ahead (`prefault_host`)
         with _STORES_LOCK:
             _STORES.append(self)
 
@@ -117,7 +116,6 @@ class CudaBackend(SegmentStore):
         are gone and `torch.cuda.empty_cache()` runs; the callbacks keep this object alive."""
         self.pools.clear()
         self.wait_host_frees()
-        self.finish_host_pool()
 
     def pool_id(self, tag: str) -> tuple[int, int]:
         return self.pools[tag].id
@@ -194,7 +192,7 @@ class CudaBackend(SegmentStore):
         try:
             for seg in segments:
                 if seg.backup is None:
-                    seg.backup = self._new_backup(seg.size)
+                    seg.backup = HostBuffer.allocate(seg.size, self.host_backup)
                     made.append(seg)
         except (MemoryError, OSError, CudaDriverError) as exc:
             for seg in made:
@@ -203,27 +201,6 @@ class CudaBackend(SegmentStore):
             need = sum(s.size for s in segments) / 2**20
             raise HostMemoryError(f"no host memory for a {need:.0f} MiB {self.host_backup} offload ({exc}); "
                                   "nothing was released") from None
-
-    def prefault_host(self, nbytes: int) -> None:
-        """Fault in now, on threads of their own, host memory for `nbytes` of pinned host copies to come
-        (`HostPool`); copies made later are carved from it while it lasts. Raises MemoryError (nothing kept)
-        when the host does not have it."""
-        if self.host_backup == "pinned" and self.host_pool is None and nbytes > 0:
-            self.host_pool = HostPool(nbytes)
-
-    def finish_host_pool(self) -> None:
-        """No more copies from the pool: what was never carved goes back to the kernel."""
-        pool, self.host_pool = self.host_pool, None
-        if pool is not None:
-            pool.finish()
-
-    def _new_backup(self, size: int) -> HostBuffer:
-        pool = self.host_pool
-        if pool is not None and size >= REGISTER_MIN_BYTES:
-            buffer = pool.take(size)
-            if buffer is not None:
-                return buffer
-        return HostBuffer.allocate(size, self.host_backup)
 
     def reserve_one(self, tags: list[str]) -> int | None:
         """The host copy of one more segment of `tags`, pinned *outside* the store's lock: pinning takes
@@ -236,7 +213,7 @@ class CudaBackend(SegmentStore):
             self._check_host_budget([seg])
         self.wait_host_frees()  # old copies go before new ones are pinned
         try:
-            buffer = self._new_backup(seg.size)
+            buffer = HostBuffer.allocate(seg.size, self.host_backup)
         except (MemoryError, OSError, CudaDriverError) as exc:
             raise HostMemoryError(f"no host memory for a {seg.size / 2**20:.0f} MiB {self.host_backup} copy "
                                   f"({exc})") from None

@@ -42,11 +42,9 @@ class HostBuffer:
     kind: str
     _mmap: mmap.mmap | None = None
     _registered: bool = False  # pinned by cuMemHostRegister (else cuMemHostAlloc)
-    _pool: HostPool | None = None  # carved from a HostPool (its memory, not an mmap of its own)
 
     def __post_init__(self) -> None:
-        self._finalizer = weakref.finalize(self, _release, self.ptr, self.kind, self._mmap, self._registered,
-                                           self._pool, self.size)
+        self._finalizer = weakref.finalize(self, _release, self.ptr, self.kind, self._mmap, self._registered)
         self._finalizer.atexit = False  # at exit the process gives everything back (and may be checkpointed)
 
     @classmethod
@@ -81,27 +79,19 @@ class HostBuffer:
 
     def free(self) -> None:
         self._finalizer.detach()
-        _release(self.ptr, self.kind, self._mmap, self._registered, self._pool, self.size)
+        _release(self.ptr, self.kind, self._mmap, self._registered)
         self.ptr = 0
 
 
-_KEPT: list = []  # registered memory (mmaps, pools) collected while the context was checkpointed: never unmapped
+_KEPT: list[mmap.mmap] = []  # registered memory collected while the context was checkpointed: never unmapped
 
 
-def _release(ptr: int, kind: str, m: mmap.mmap | None, registered: bool, pool: HostPool | None = None,
-             size: int = 0) -> None:
+def _release(ptr: int, kind: str, m: mmap.mmap | None, registered: bool) -> None:
     """Unpin (unregister, or free what cuMemHostAlloc gave), then unmap: in that order. While the CUDA context
     is checkpointed no driver call may be made: pinned memory is then kept (a leak, not a stale mapping)."""
     if kind == "pinned" and checkpoint.is_checkpointed():
         if m is not None:
             _KEPT.append(m)
-        elif pool is not None:
-            _KEPT.append(pool)
-        return
-    if pool is not None:
-        if registered:
-            cuda_driver.host_unregister(ptr)
-        pool.give_back(ptr, size)
         return
     if kind == "pinned" and not registered:
         cuda_driver.host_free_pinned(ptr)
@@ -161,96 +151,3 @@ def _touch(ptr: int, size: int) -> None:
     step = -(-size // (threads * _HUGE_PAGE)) * _HUGE_PAGE
     starts = range(0, size, step)  # `threads` pieces: no more than that run at once
     list(_touch_pool().map(lambda start: ctypes.memset(ptr + start, 0, min(step, size - start)), starts))
-
-
-class HostPool:
-    """Host memory for buffers to come, faulted in ahead: one huge-page mmap of `size` bytes whose pages several
-    threads touch at once on a thread of its own (the kernel's zeroing of fresh pages is the costly part of pinning),
-    started before the engine's busy start-up phases (the weight load, the graph capture), which the same work beside
-    them slowed by a third. `take(size)` carves the next buffer from it (registered when `pinned`, else plain
-    memory); a buffer given back returns its pages to the kernel; `finish()` ends carving and gives back the pages
-    never taken; the mmap goes once both happened. `take` answers None when the pool cannot serve (full, failed,
-    finished, or not ready within `wait_s`): the caller makes a buffer of its own."""
-
-    def __init__(self, size: int, kind: str = "pinned", threads: int | None = None) -> None:
-        self.size = -(-size // _HUGE_PAGE) * _HUGE_PAGE
-        self.kind = kind
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._next = 0
-        self._live = 0
-        self._finished = False
-        self._ready = threading.Event()
-        check_available(self.size)
-        self._mmap, base = _anonymous_map(self.size + _HUGE_PAGE)
-        self.base = -(-base // _HUGE_PAGE) * _HUGE_PAGE
-        self._offset = self.base - base  # of the pool's first byte in the mmap
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._mmap.madvise(mmap.MADV_HUGEPAGE)
-        self._thread = threading.Thread(target=self._fault, args=(threads or _TOUCH_THREADS,),
-                                        name="torpor-host-pool", daemon=True)
-        self._thread.start()
-
-    def _fault(self, threads: int) -> None:
-        try:
-            step = -(-self.size // (threads * _HUGE_PAGE)) * _HUGE_PAGE
-            starts = range(0, self.size, step)
-            with ThreadPoolExecutor(len(starts), thread_name_prefix="torpor-pool-touch") as pool:
-                list(pool.map(lambda start: ctypes.memset(self.base + start, 0, min(step, self.size - start)),
-                              starts))
-        except BaseException as exc:  # take() then answers None: buffers of their own
-            self.error = exc
-        self._ready.set()
-
-    def take(self, size: int, wait_s: float = 60.0) -> HostBuffer | None:
-        size = -(-size // _HUGE_PAGE) * _HUGE_PAGE
-        if not self._ready.wait(wait_s) or self.error is not None:
-            return None
-        with self._lock:
-            if self._finished or self._next + size > self.size:
-                return None
-            ptr = self.base + self._next
-            self._next += size
-            self._live += 1
-        if self.kind == "pinned":
-            try:
-                cuda_driver.host_register(ptr, size)
-            except CudaDriverError:
-                with contextlib.suppress(CudaDriverError):
-                    cuda_driver.host_unregister(ptr)
-                self.give_back(ptr, size)
-                return None
-        return HostBuffer(ptr, size, self.kind, _registered=self.kind == "pinned", _pool=self)
-
-    def give_back(self, ptr: int, size: int) -> None:
-        """The pages of a buffer carved from here go back to the kernel (the buffer is unregistered already)."""
-        self._drop(ptr - self.base, size)
-        with self._lock:
-            self._live -= 1
-            self._close_if_done()
-
-    def finish(self) -> None:
-        """No more buffers from here: the pages never taken go back to the kernel now."""
-        self._ready.wait()
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-            start = self._next
-        if start < self.size:
-            self._drop(start, self.size - start)
-        with self._lock:
-            self._close_if_done()
-
-    @property
-    def taken_bytes(self) -> int:
-        return self._next
-
-    def _drop(self, start: int, size: int) -> None:
-        if size > 0 and self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self._mmap.madvise(mmap.MADV_DONTNEED, self._offset + start, size)
-
-    def _close_if_done(self) -> None:  # with the lock held
-        if self._finished and self._live == 0 and self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None

@@ -258,17 +258,6 @@ class MemoryManager:
         self._reservation = HostReservation(self, names, on_done, continues=previous)
         return self._reservation
 
-    def prefault_host(self, nbytes: int) -> None:
-        """Start faulting in, on threads of their own, host memory for `nbytes` of host copies to come (on CUDA: the
-        kernel's zeroing of the pages, the costly part of pinning them), so that a reservation later only registers
-        it; call it early, before busy work (an engine's start-up does, with its checkpoint's size). `finish_host_pool`
-        gives back what no copy took. Raises MemoryError when the host does not have the memory."""
-        self._backend.prefault_host(nbytes)
-
-    def finish_host_pool(self) -> None:
-        """No more host copies from the memory `prefault_host` made: what none took goes back to the kernel."""
-        self._backend.finish_host_pool()
-
     def wait_reservation(self, timeout: float | None = None) -> bool:
         """Wait up to `timeout` seconds for the background reservation (if any) to end; whether it has."""
         reservation = self._reservation

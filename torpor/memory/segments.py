@@ -184,14 +184,6 @@ class SegmentStore(ABC):
             self._reserve_backups(segs)  # raises HostMemoryError having freed what it made
             return sum(self.backup_size(s) for s in segs)
 
-    def prefault_host(self, nbytes: int) -> None:
-        """Make host memory for `nbytes` of copies to come ahead of time, where that costs (pinning); here nothing."""
-        return None
-
-    def finish_host_pool(self) -> None:
-        """End what `prefault_host` began: memory made ahead and not used goes back."""
-        return None
-
     def reserve_one(self, tags: list[str]) -> int | None:
         """`reserve(tags, max_segments=1)`: the host copy of one more segment; None when none is left. A
         backend whose buffers take long to make (pinning) overrides it to make the buffer outside the lock."""
