@@ -62,9 +62,8 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "enforce_eager": ("never capture CUDA graphs", ()),
     "enable_prefix_caching": ("reuse the KV blocks of prompt prefixes already computed", ()),
     "max_n": ("the most samples (n) one request may ask for", ()),
-    "reserve_host_copies": ("reserve (pin) the host copies of a level-1 sleep during start-up, beside the weight "
-                            "load, so any sleep after it runs at link speed (holds host memory of the weights' size)",
-                            ()),
+    "reserve_host_copies": ("reserve (pin) the host copies of a level-1 sleep in the background after start-up, "
+                            "so the first sleep runs at link speed (holds host memory of the weights' size)", ()),
     "tensor_parallel_size": ("split the model over N processes, one device each. On GPU, rank r uses the device r "
                              "places after --device (cuda:0..cuda:N-1 by default; CUDA_VISIBLE_DEVICES chooses "
                              "them), over NCCL (or --tp-comm torpor: torpor's exchange buffer); on CPU, N "

@@ -75,9 +75,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1               # ranks (processes, one device each) the model is split over
     tp_timeout_s: float = 600.0                  # tensor parallel: a worker silent this long counts as hung
     num_kv_blocks: int | None = None             # filled by memory profiling
-    # Sleep mode: reserve (pin) the host copies a level-1 sleep needs during start-up (the weights' beside their
-    # load), so that a sleep at any moment after it runs as fast as the later ones. Holds host memory of the
-    # weights' size; off where the host is short of it (the first sleep then pins them itself).
+    # Sleep mode: reserve (pin) the host copies a level-1 sleep needs in the background after start-up, so
+    # the first sleep runs as fast as the later ones. Holds host memory of the weights' size; off where the
+    # host is short of it (the first sleep then pins them itself).
     reserve_host_copies: bool = True
     # Automatic prefix caching: full KV blocks are shared between requests with the same prefix (and the
     # n samples of one request share their prompt's blocks). Off: every sequence computes its own prompt.

@@ -47,7 +47,6 @@ from torpor.memory import CheckpointUnsupportedError, Report
 
 logger = logging.getLogger("torpor.engine")
 DEFAULT_GROUP_TIMEOUT_S = 120.0
-HOST_COPIES_WAIT_S = 120.0  # the longest start-up waits for the host copies' reservation (then it goes on behind)
 
 
 @dataclass(frozen=True)
@@ -680,26 +679,16 @@ class LLMEngine:
         self.weights.destroy_group(group_name)
 
     def _reserve_host_copies(self):
-        """Reserve (pin) the host copies a level-1 sleep needs before the engine is handed out, so that the first sleep
-        at any moment runs as fast as the later ones (`EngineConfig.reserve_host_copies`). Each rank's ModelRunner
-        began with the weights' as soon as they existed (beside the load and the capture); here rank 0 adds its
-        other tags' and every rank's reservation is awaited (bounded: a slower one goes on in the background, and
-        a sleep makes what is still missing itself)."""
+        """Start reserving (pinning) the host copies a level-1 sleep needs, in the background, so the first sleep runs
+        as fast as the later ones (`EngineConfig.reserve_host_copies`)."""
         if not self.config.reserve_host_copies or self.memory is None:
             return None
         tags = [t for t in ("weights", "runtime", "cuda_graph") if t in self.memory.tags()]
         usage = self.memory.usage()
         need = sum(usage[t].reserved_bytes for t in tags)
-        logger.info("reserving %.2f GiB of host memory for the host copies of %s, so that a level-1 sleep runs at "
-                    "link speed (reserve_host_copies=False turns it off)", need / 2**30, ", ".join(tags))
-        reservation = self.memory.reserve_host_in_background(tags, on_done=_log_reservation)
-        with timed_phase("host_copies_wait"):
-            done = self.executor.collective_rpc("wait_host_copies", (HOST_COPIES_WAIT_S,),
-                                                timeout=HOST_COPIES_WAIT_S + 30.0)
-        if not all(done):
-            logger.warning("the host copies were not reserved within %.0f s; reserving goes on in the background "
-                           "(a sleep meanwhile makes the rest itself)", HOST_COPIES_WAIT_S)
-        return reservation
+        logger.info("reserving %.2f GiB of host memory for the host copies of %s in the background, so the first "
+                    "sleep runs at link speed (reserve_host_copies=False turns it off)", need / 2**30, ", ".join(tags))
+        return self.memory.reserve_host_in_background(tags, on_done=_log_reservation)
 
 
 def _log_reservation(reservation) -> None:

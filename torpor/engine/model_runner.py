@@ -135,11 +135,6 @@ class ModelRunner:
                 init_dummy_weights(self.model, config.seed)
             self._size_and_allocate(config, capture_error_mode="global")
         else:
-            if self.memory is not None and config.reserve_host_copies:
-                # The weights' host copies (a level-1 sleep's) pinned from now on, beside the load and the capture
-                # (captured in thread-local mode here: another thread's driver calls cannot break it), so that the
-                # first sleep after start-up runs at link speed; the engine waits for the rest (LLMEngine).
-                self.memory.reserve_host_in_background(["weights"])
             self._start_beside_load(config)
         if on_gpu:
             torch.cuda.empty_cache()  # start-up temporaries (default pool) go back to the device

@@ -108,10 +108,9 @@ class Worker:
         with self.group.active():
             return self.memory.revert("weights")
 
-    def wait_host_copies(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for this rank's host copies to be reserved (started by its ModelRunner as
-        soon as the weights exist); whether they are."""
-        return self.memory is None or self.memory.wait_reservation(timeout)
+    def reserve_host_copies(self, tags: list[str]):
+        """Start reserving the host copies a level-1 sleep needs, in the background (`MemoryManager`)."""
+        return self.memory.reserve_host_in_background(tags, on_done=None)
 
     # ---- the CUDA context (levels 3 and 4; one GPU per process) --------------------------------------
     def check_checkpoint(self) -> None:

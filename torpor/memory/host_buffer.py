@@ -122,9 +122,7 @@ def _anonymous_map(size: int) -> tuple[mmap.mmap, int]:
 
 
 _TOUCH_THREADS = min(16, os.cpu_count() or 1)
-# Pinning for later (HostReservation), beside the start-up: 4 threads pin an 8B model's weights well within the
-# start-up and leave the other cores to it (touch and registration speeds by thread count: docs/benchmarks.md).
-BACKGROUND_TOUCH_THREADS = 4
+BACKGROUND_TOUCH_THREADS = 2  # pinning for later (HostReservation): leave the cores to the start-up it runs beside
 _background = threading.local()
 
 

@@ -250,18 +250,11 @@ class MemoryManager:
         """`reserve_host(tags)` on a background thread, one segment at a time, so that start-up does not
         wait for it and a `sleep` never waits for more than one segment: a sleep stops the reservation and
         makes what is missing itself. Returns a handle (`wait()`, `reserved_bytes`, `error`); `on_done(handle)`
-        runs on the background thread when it ends (not when a sleep stopped it). A reservation started while
-        another runs takes over from it (its bytes and seconds count in the new handle's)."""
+        runs on the background thread when it ends (not when a sleep stopped it)."""
         names = self._check_tags(tags)
-        previous = self._reservation
         self._stop_reservation()
-        self._reservation = HostReservation(self, names, on_done, continues=previous)
+        self._reservation = HostReservation(self, names, on_done)
         return self._reservation
-
-    def wait_reservation(self, timeout: float | None = None) -> bool:
-        """Wait up to `timeout` seconds for the background reservation (if any) to end; whether it has."""
-        reservation = self._reservation
-        return reservation is None or reservation.wait(timeout)
 
     def _stop_reservation(self) -> None:
         if self._reservation is not None:
@@ -474,19 +467,16 @@ class HostReservation:
     """A background `reserve_host`: one segment at a time (on CUDA pinned outside the manager's and the
     store's locks, so the engine's work beside it never waits for a pin), so a sleep waits for one segment
     at most and then makes the missing copies itself (`stop()` ends it after the segment
-    in progress). `reserved_bytes` counts the host bytes made (with those of the reservation it `continues`),
-    `seconds` its time since that one began; `error` holds a HostMemoryError that ended it early (what was
-    reserved stays: it is used by the sleep)."""
+    in progress). `reserved_bytes` counts the host bytes made; `error` holds a HostMemoryError that ended it
+    early (what was reserved stays: it is used by the sleep)."""
 
     def __init__(self, manager: MemoryManager, tags: list[str],
-                 on_done: Callable[[HostReservation], None] | None = None,
-                 continues: HostReservation | None = None) -> None:
+                 on_done: Callable[[HostReservation], None] | None = None) -> None:
         self.tags = tags
         self._on_done = on_done
-        self.reserved_bytes = continues.reserved_bytes if continues is not None else 0
+        self.reserved_bytes = 0
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self._started = continues._started if continues is not None else time.perf_counter()
         self._stop = threading.Event()
         # The backend and the device, not the manager: a strong reference to the manager here could be the last
         # one, and the manager would then close on this thread — its pools' segments freed through the allocator
@@ -499,6 +489,7 @@ class HostReservation:
         self._thread.start()
 
     def _run(self) -> None:
+        start = time.perf_counter()
         try:
             if self._device.type == "cuda":
                 # A new thread has no current CUDA context; pinning host memory is a driver call that needs one.
@@ -513,7 +504,7 @@ class HostReservation:
                 self.reserved_bytes += made
         except BaseException as exc:  # reported through `error`; the sleep reserves what is missing
             self.error = exc
-        self.seconds = time.perf_counter() - self._started
+        self.seconds = time.perf_counter() - start
         if self._on_done is not None and not self._stop.is_set():
             self._on_done(self)
 
