@@ -25,6 +25,25 @@ from torpor.synthetic import make_model  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(autouse=True)
+def rows_dot(monkeypatch):
+    """The interpreter's fp32 tl.dot is numpy's matmul, whose BLAS (OpenBLAS on AVX-512 CPUs, e.g.) gives a row other
+    bits at another place in its tile; a GPU's tl.dot row does not (tests/gpu checks it there). Here each element is
+    summed in one fixed order (einsum), so that what these tests see is the kernels' own doing, not the host's BLAS."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return interpreter.TensorHandle(np.einsum("...mk,...kn->...mn", a.data, b.data, optimize=False) + d.data,
+                                        d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 def experts_case(num_tokens: int, dtype: torch.dtype, num_experts: int = 8, hidden: int = 64, inter: int = 48,
                  top_k: int = 2, seed: int = 0, skew: float = 0.0):
     """x, gate_up, down and routed (ids, weights) sorted by id; `skew` > 0 sends most tokens to expert 0."""
