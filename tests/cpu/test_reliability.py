@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -217,6 +218,22 @@ def test_close_on_cpu_closes(tiny_model_path):
     llm.close()
     with pytest.raises(RuntimeError, match="it was closed"):
         llm.generate(PROMPTS, GREEDY)
+
+
+def test_close_gives_the_memory_back_while_the_llm_is_still_referenced(tiny_model_path):
+    """An RL driver that closes one engine and starts another in the same process must not hold both models: the
+    weights, the KV cache and the runtime state go at `close`, not when the LLM object is collected."""
+    llm = LLM(tiny_model_path, **ENGINE)
+    runner = llm.engine.executor.driver.runner
+    held = [weakref.ref(t) for t in (runner.model.model.embed_tokens.weight, runner.model.model.norm.weight,
+                                     runner.buffers.tokens, runner.kv_cache)]
+    del runner
+    llm.close()
+    assert [ref() is None for ref in held] == [True] * len(held)
+    for call in (lambda: llm.sleep(1), llm.wake_up, lambda: llm.reload_weights()):
+        with pytest.raises(RuntimeError, match="it was closed"):
+            call()
+    llm.close()  # a second close does nothing
 
 
 def test_two_engines_in_one_process_each_answer(tiny_model_path, expected):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import sys
 import threading
 import time
@@ -103,8 +104,8 @@ class LLM:
             **engine_options,
         )
         self._generation_defaults = generation_defaults(config.generation_config, config.model)
-        if memory is None and enable_sleep_mode:
-
+        self._owns_memory = memory is None and enable_sleep_mode  # closed with the LLM (a caller's stays theirs)
+        if self._owns_memory:
             with timed_phase("memory_manager"):
                 memory = MemoryManager(config.device)
         self.engine = LLMEngine(config, memory, worker_memory_options)
@@ -113,6 +114,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         # One engine, many threads: steps, sleeps and wakes take turns; generate waits while asleep.
         self._lock = threading.Condition(threading.RLock())
+        self._closed = False
         self._finished: dict[str, RequestOutput] = {}
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
@@ -156,8 +158,11 @@ class LLM:
 
     @contextlib.contextmanager
     def _driving(self):
-        """The lock, held while this front end drives the engine; refused while a server drives it."""
+        """The lock, held while this front end drives the engine; refused while a server drives it, or once closed."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine cannot serve any more: it was closed (its memory went back to the "
+                                   "device); make a new LLM")
             if self.engine.served_by is not None:
                 raise RuntimeError(f"this LLM's engine is served by {self.engine.served_by}, whose thread alone "
                                    f"may drive it: send requests and sleep/wake calls to the server, or stop it first")
@@ -304,11 +309,23 @@ class LLM:
             return self.engine.memory_usage()
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes and free the CUDA graphs, the GEMM workspace and the update
-        groups; the LLM cannot generate afterwards (generate then raises). The one call that proceeds while a server
-        serves the engine (a shutdown must always be able to give its resources back: stop the server first)."""
+        """Stop the tensor-parallel worker processes, free the CUDA graphs, the GEMM workspace and the update groups,
+        and give the weights', the KV cache's and the runtime state's memory back to the device now (with the memory
+        manager the LLM made; one passed in as `memory` stays the caller's), not when the LLM is collected; the LLM
+        cannot generate afterwards (generate then raises). The one call that proceeds while a server serves the engine
+        (a shutdown must always be able to give its resources back: stop the server first)."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self.engine.close()
+            # The modules' parameters refer back to their modules (weight loaders): cycles, which only the collector
+            # frees, before their pools can go.
+            gc.collect()
+            if self._owns_memory and self.memory is not None:
+                self.memory.close()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     # ---- vLLM's surface ---------------------------------------------------------------------
     def chat(self, messages: list[dict] | list[list[dict]],

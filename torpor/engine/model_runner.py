@@ -167,11 +167,14 @@ class ModelRunner:
         self._allocate_runtime(capture_error_mode)
 
     def close(self) -> None:
-        """Free the graphs and the GEMM workspace, then give up the engine's stream (kept for the next
-        engine; also done when the runner is collected). The runner cannot run afterwards."""
+        """Free the graphs and the GEMM workspace, give up the engine's stream (kept for the next engine; also done
+        when the runner is collected), and let go of the weights, the KV cache and the runtime state, so that their
+        memory goes back now, not when the runner is collected. The runner cannot run afterwards."""
         self.graphs = None
         self.staging.close()
         self._finalizer()
+        self.model = self.kv_cache = self.buffers = self.sampler = self.routing = self._sampled_rows = None
+        self.backend = None  # (with the decode workspace)
 
     def _tag(self, name: str) -> contextlib.AbstractContextManager:
         if self.memory is None:

@@ -22,6 +22,10 @@ from torpor.engine.models.layers.norm import RMSNorm
 from torpor.engine.models.layers.rotary import RotaryEmbedding, apply_rotary
 
 
+def ignored_weight(name: str, *, tied: bool) -> bool:
+    """Checkpoint tensors with no parameter in the model (`tied`: the LM head is the embedding) and safe to skip."""
+    return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -155,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
 
     def is_ignored_weight(self, name: str) -> bool:
         """Checkpoint tensors that have no parameter here and are safe to skip."""
-        return "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight")
+        return ignored_weight(name, tied=self.lm_head is None)
 
     def resolve_weight_name(self, name: str) -> tuple[str, object]:
         """Checkpoint name -> (parameter name, shard id): `experts.{e}.gate_proj.weight` -> (`experts.gate_up_proj`,
