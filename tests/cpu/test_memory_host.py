@@ -176,6 +176,71 @@ def test_backup_write_failure_leaves_everything_awake(tmp_path):
     assert result.stdout.strip().endswith("ok")
 
 
+def test_a_first_sleep_that_fails_midway_releases_nothing_and_keeps_no_buffer(tmp_path):
+    """A sleep with host copies still to make makes each one and queues its copy before making the next: a failure at
+    the second (a real one: the file-size limit) must leave every tag awake with its bytes, the discarded tag's too,
+    and give back the copy made for the first."""
+    code = textwrap.dedent(f"""
+        import os, resource, signal, torch
+        from torpor.memory import HostMemoryError, MemoryManager
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        mm = MemoryManager("cpu", backup_dir={str(tmp_path)!r})
+        with mm.tag("w"):
+            small = torch.randn(1 << 16)     # 256 KiB: its copy fits under the limit
+            big = torch.randn(16 << 20)      # 64 MiB, a segment of its own: its copy does not
+        with mm.tag("kv"):
+            kv = torch.randn(1 << 20)
+        assert mm.usage()["w"].num_segments == 2
+        refs = [t.clone() for t in (small, big, kv)]
+        fds = len(os.listdir("/proc/self/fd"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+        try:
+            mm.sleep({{"w": "offload", "kv": "discard"}})
+        except HostMemoryError as exc:
+            print("refused:", exc)
+        assert not mm.is_sleeping()
+        assert all(torch.equal(t, r) for t, r in zip((small, big, kv), refs))
+        assert len(os.listdir("/proc/self/fd")) == fds, "a host copy made before the failure was kept"
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        mm.sleep({{"w": "offload", "kv": "discard"}})
+        mm.wake()
+        assert torch.equal(small, refs[0]) and torch.equal(big, refs[1]) and not kv.any()
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "refused:" in result.stdout and "nothing was released" in result.stdout
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_a_sleep_whose_copies_fail_after_the_discards_went_maps_them_again(mm, monkeypatch):
+    """With every host copy made already, the discarded tags go back before the copies out start (so the driver's
+    clearing overlaps them); copies that then fail must not leave those tags unmapped while the engine runs on."""
+    with mm.tag("w"):
+        w = torch.randn(MiB)
+    with mm.tag("kv"):
+        kv = torch.randn(MiB)
+    ref = w.clone()
+    mm.sleep({"w": "offload", "kv": "discard"})
+    mm.wake()
+    backend = mm._backend
+
+    def failing(segments):
+        raise HostMemoryError("the copies failed")
+
+    monkeypatch.setattr(backend, "_copy_out", failing)
+    with pytest.raises(HostMemoryError, match="the copies failed"):
+        mm.sleep({"w": "offload", "kv": "discard"})
+    assert not mm.is_sleeping() and all(seg.resident for seg in backend.segments.values())
+    assert torch.equal(w, ref) and not kv.any()  # the discarded tag came back as a discard's wake makes it
+    kv.fill_(2.0)
+    monkeypatch.undo()
+    mm.sleep({"w": "offload", "kv": "discard"})
+    mm.wake()
+    assert torch.equal(w, ref)
+
+
 def test_freed_tensors_give_chunks_back(mm):
     with mm.tag("w"):
         big = torch.empty(32 * MiB, dtype=torch.uint8)

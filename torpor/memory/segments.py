@@ -100,17 +100,29 @@ class SegmentStore(ABC):
             by_tag = {tag: [s for s in self.of_tag(tag) if s.resident] for tag in plan}
             kept, fresh = self._offloads(plan, clean)
             self._check_host_budget(fresh)
-            self._reserve_backups(fresh)  # raises HostMemoryError; nothing released yet
+            reserved = all(s.backup is not None for s in fresh)
+            if reserved:
+                self._reserve_backups(fresh)  # (sizes the host backend's files) raises HostMemoryError
             self._synchronize()
             if kept and verify:
                 self._verify_copies(kept)  # raises StaleCopyError; nothing released yet
-            # What is only dropped goes back to the driver before the copies out start: the driver clears freed
-            # device memory behind the caller's back, and that clearing slows the next copies in (a weights wake
-            # right after a sleep that released a 108 GiB KV cache: 0.2 s slower) unless it overlaps this
-            # sleep's own copies out (docs/benchmarks.md, the KV curve).
-            released = {tag: self._release_tag(tag, segs, plan[tag], fresh) for tag, segs in by_tag.items()
-                        if plan[tag] is Action.DISCARD}
-            self._copy_out(fresh)
+            dropped = {tag: segs for tag, segs in by_tag.items() if plan[tag] is Action.DISCARD}
+            if reserved:
+                # What is only dropped goes back to the driver before the copies out start: the driver clears freed
+                # device memory behind the caller's back, and that clearing slows the next copies in (a weights
+                # wake right after a sleep that released a 108 GiB KV cache: 0.2 s slower) unless it overlaps this
+                # sleep's own copies out (docs/benchmarks.md, the KV curve).
+                released = {tag: self._release_tag(tag, segs, plan[tag], fresh) for tag, segs in dropped.items()}
+                try:
+                    self._copy_out(fresh)
+                except BaseException:
+                    self._take_back(dropped)
+                    raise
+            else:
+                # Host copies still to make (a sleep before the reservation ended): each buffer is made while the
+                # copy into the one before runs, then everything is released.
+                self._reserve_and_copy_out(fresh)  # raises HostMemoryError; nothing released yet
+                released = {tag: self._release_tag(tag, segs, plan[tag], fresh) for tag, segs in dropped.items()}
             released.update({tag: self._release_tag(tag, segs, plan[tag], fresh) for tag, segs in by_tag.items()
                              if plan[tag] is not Action.DISCARD})
             reports = [released[tag] for tag in by_tag]
@@ -120,6 +132,38 @@ class SegmentStore(ABC):
                 self.drop_copies(tag)
             self.asleep.update(plan)
             return reports
+
+    def _reserve_and_copy_out(self, segments: list[Segment]) -> None:
+        """Make each segment's host buffer where it has none and queue its copy at once, so that making the next
+        buffer (pinning: ~0.05 s per GiB on many threads) overlaps the copies before it. On a failure the queued
+        copies are waited for and the buffers made here are given back; HostMemoryError, nothing released."""
+        queued: list[Segment] = []
+        made: list[Segment] = []
+        try:
+            for seg in segments:
+                new = seg.backup is None
+                self._reserve_backups([seg])
+                if new:
+                    made.append(seg)
+                self._copy_out([seg])
+                queued.append(seg)
+        except BaseException:
+            self._finish_copies(queued)
+            for seg in made:
+                self._free_backup(seg)
+                seg.backup = None
+            raise
+
+    def _take_back(self, dropped: dict[str, list[Segment]]) -> None:
+        """Undo the release of discarded segments (a sleep failed after it): mapped again, zeroed, as a discard's
+        wake would make them."""
+        segs = [seg for segs in dropped.values() for seg in segs if not seg.resident]
+        for seg in segs:
+            seg.holds_copy = False
+            self._restore(seg)
+        self._finish_fills()
+        for seg in segs:
+            seg.resident = True
 
     def _release_tag(self, tag: str, segs: list[Segment], action: Action, fresh: list[Segment]) -> TagReport:
         """Release `segs` (the tag's resident segments; an offload's copies queued already) and report it."""
