@@ -10,7 +10,6 @@ the server's `AsyncEngine`, call only its public methods. Output text is built h
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -31,7 +30,6 @@ from torpor.engine.lifecycle import (
     check_tags,
 )
 from torpor.engine.model_runner import debug_logging, timed_phase
-from torpor.engine.models.llama import ignored_weight
 from torpor.engine.outputs import RequestOutput
 from torpor.engine.rpc import METHODS, RPCArgumentError, public_methods
 from torpor.engine.sampling_params import OutOfVocabulary, SamplingParams
@@ -121,9 +119,7 @@ class LLMEngine:
         self.config = self.executor.config  # with the profiled number of KV blocks
         self.model_config = model_config = driver.runner.model_config
         self.vocab_size = model_config.vocab_size
-        # (a function of the model's geometry, not a bound method of the model: the receiver would keep the weights
-        # alive after `close`)
-        ignored = functools.partial(ignored_weight, tied=driver.runner.model.lm_head is None)
+        ignored = driver.runner.model.ignored_weights()  # (holds not the model: `close` frees its weights)
         # dummy weights: the checkpoint the config describes (vLLM's RL start: dummy weights, then the trainer's)
         manifest = (Manifest.of_config(model_config) if config.load_format == "dummy"
                     else Manifest.of_checkpoint(config.model))

@@ -4,6 +4,8 @@ checkpoints, except the fused `qkv_proj` and `gate_up_proj` (see `packed_modules
 fused per layer as transformers >= 5 holds them (`mlp.experts.gate_up_proj` / `down_proj`; a checkpoint's
 per-expert names map onto them: `resolve_weight_name`)."""
 
+import functools
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -160,6 +162,10 @@ class LlamaForCausalLM(nn.Module):
     def is_ignored_weight(self, name: str) -> bool:
         """Checkpoint tensors that have no parameter here and are safe to skip."""
         return ignored_weight(name, tied=self.lm_head is None)
+
+    def ignored_weights(self) -> Callable[[str], bool]:
+        """`is_ignored_weight` as a function that does not keep the model alive (the weight receiver holds it)."""
+        return functools.partial(ignored_weight, tied=self.lm_head is None)
 
     def resolve_weight_name(self, name: str) -> tuple[str, object]:
         """Checkpoint name -> (parameter name, shard id): `experts.{e}.gate_proj.weight` -> (`experts.gate_up_proj`,
