@@ -42,6 +42,7 @@ from torpor.engine.weights.index import CheckpointError
 from torpor.engine.weights.loader import check_staged
 from torpor.engine.weights.manifest import Manifest
 from torpor.engine.weights.payload import named_tensors_of, unpickle_payload
+from torpor.engine.weights.transport import check_timeout
 from torpor.engine.weights.updates import OPENED, release_transfer_memory, specs_of
 
 MAX_WEIGHT_VALUES = 1 << 24  # get_weights_by_name's answer, at most (a JSON list of floats)
@@ -498,6 +499,8 @@ class WeightReceiver:
         does not have): the group is destroyed then too, since the trainer's broadcasts of it have no receiver."""
         try:
             self.check_awake("update_weights_from_distributed")
+            if timeout_s is not None:
+                check_timeout(timeout_s)  # -1 or 1e308 reached gloo: a misleading 409, or an int overflow's text
             specs = specs_of(names, dtypes, shapes)
             self.manifest.check([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs])
             if group_name in self._receiving:
@@ -553,8 +556,13 @@ class WeightReceiver:
         return sorted(self._receiving)
 
     def destroy_group(self, group_name: str) -> None:
-        """SGLang's destroy_weights_update_group (every rank leaves)."""
-        self._receiving.discard(group_name)
+        """SGLang's destroy_weights_update_group (every rank leaves). Refused while the group receives: a gloo
+        group's destructor waits for its broadcast in flight, so the engine thread (and every request) would stall
+        until the receive's deadline; the receive ends by its timeout and destroys the group itself."""
+        if group_name in self._receiving:
+            raise LifecycleError(f"weights update group {group_name!r} is receiving the trainer's broadcasts "
+                                 "(update_weights_from_distributed is pending); it is destroyed when that call "
+                                 "fails, at its timeout at the latest, or destroy it after that call answered")
         if not self.executor.collective_rpc("destroy_update_group", (group_name,))[0]:
             raise ValueError(f"no weights update group {group_name!r}")
 

@@ -194,6 +194,11 @@ def _check_group_args(address, port, rank, world_size, name, backend, timeout_s)
         raise ValueError(f"group_name must be 1-128 letters, digits, '_', '.' or '-', got {reprlib.repr(name)}")
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {reprlib.repr(backend)}")
+    check_timeout(timeout_s)
+
+
+def check_timeout(timeout_s) -> None:
+    """A group's or a receive's `timeout`, in the API's words: a number of seconds in (0, MAX_GROUP_TIMEOUT_S]."""
     if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or \
             not 0 < timeout_s <= MAX_GROUP_TIMEOUT_S:
         raise ValueError(f"timeout must be a number of seconds in (0, {MAX_GROUP_TIMEOUT_S:g}], got "
