@@ -78,7 +78,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--check-every", type=int, default=50)
-    parser.add_argument("--reference-gmu", type=float, default=0.3)
+    parser.add_argument("--reference-gmu", type=float, default=0.5, help="the reference engines' budget (the served "
+                        "engine sleeps at level 1 meanwhile; this process holds the trainer's copy of the weights)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds of steps")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
