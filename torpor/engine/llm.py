@@ -318,14 +318,16 @@ class LLM:
             if self._closed:
                 return
             self._closed = True
-            self.engine.close()
-            # The modules' parameters refer back to their modules (weight loaders): cycles, which only the collector
-            # frees, before their pools can go.
-            gc.collect()
-            if self._owns_memory and self.memory is not None:
-                self.memory.close()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            try:
+                self.engine.close()
+            finally:
+                # The modules' parameters refer back to their modules (weight loaders): cycles, which only the
+                # collector frees, before their pools can go.
+                gc.collect()
+                if self._owns_memory and self.memory is not None:
+                    self.memory.close()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
 
     # ---- vLLM's surface ---------------------------------------------------------------------
     def chat(self, messages: list[dict] | list[list[dict]],

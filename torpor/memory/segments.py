@@ -148,6 +148,7 @@ class SegmentStore(ABC):
                 self._copy_out([seg])
                 queued.append(seg)
         except BaseException:
+            self._synchronize()  # every copy queued, a failed segment's first chunks too, before a buffer goes
             self._finish_copies(queued)
             for seg in made:
                 self._free_backup(seg)

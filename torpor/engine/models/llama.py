@@ -28,6 +28,7 @@ def ignored_weight(name: str, *, tied: bool) -> bool:
     """Checkpoint tensors with no parameter in the model (`tied`: the LM head is the embedding) and safe to skip."""
     return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
 
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
