@@ -27,7 +27,6 @@ from torpor.engine import LLM
 from torpor.engine.weights.loader import iter_checkpoint
 from torpor.rl.engine_process import EngineProcess, free_port
 from torpor.server import ServerConfig, build_app
-from torpor.synthetic import make_model
 
 from .test_vllm_weight_transfer import ENGINE as TRANSFER_ENGINE
 from .test_vllm_weight_transfer import _served as _served_by_thread
@@ -35,12 +34,6 @@ from .test_weight_groups import ADMIN, SERVE, TESTS, _served, _trainer
 from .test_weights_atomic import scaled_checkpoint
 
 IDLE_S = 1.0  # the server thread's push_idle_timeout_s
-
-
-@pytest.fixture(scope="module")
-def new_weights_path(tmp_path_factory) -> str:
-    return str(make_model("tiny", tmp_path_factory.mktemp("tiny-seed3") / "tiny", seed=3, dtype="float32",
-                          progress=False))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from torpor.engine.weights.loader import iter_checkpoint
 from torpor.engine.weights.transport import WeightTransferError, broadcast, open_update_group, receive_tensors
 from torpor.rl import WeightPusher
 from torpor.rl.engine_process import EngineProcess, free_port
-from torpor.synthetic import make_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
 SERVE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "8", "--block-size", "4",
@@ -34,12 +33,6 @@ PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
 ADMIN = "admin-secret"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(ROOT, "tests")  # sglang_trainer.py, for trainer processes
-
-
-@pytest.fixture(scope="module")
-def new_weights_path(tmp_path_factory) -> str:
-    return str(make_model("tiny", tmp_path_factory.mktemp("tiny-seed1") / "tiny", seed=1, dtype="float32",
-                          progress=False))
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,10 @@ import torch
 from torpor.engine import LLM, SamplingParams
 from torpor.engine.weights.loader import check_update, first_non_finite, iter_checkpoint
 from torpor.rl import WeightPusher, bucket_named_tensors, weight_sync
-from torpor.synthetic import make_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
-
-
-@pytest.fixture(scope="module")
-def new_weights_path(tmp_path_factory) -> str:
-    return str(make_model("tiny", tmp_path_factory.mktemp("tiny-seed1") / "tiny", seed=1, dtype="float32",
-                          progress=False))
 
 
 def _answers(llm) -> list[list[int]]:

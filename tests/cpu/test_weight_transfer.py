@@ -32,7 +32,6 @@ from torpor.engine.weights.transport import await_work
 from torpor.rl import WeightPusher, bucket_named_tensors, serialize
 from torpor.rl.engine_process import free_port
 from torpor.server import ServerConfig, build_app
-from torpor.synthetic import make_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -40,13 +39,6 @@ PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
 ADMIN = "admin-secret"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(ROOT, "tests")  # sglang_trainer.py, for trainer processes
-
-
-@pytest.fixture(scope="module")
-def new_weights_path(tmp_path_factory) -> str:
-    """The tiny preset with other random weights (seed 1): the trainer's "new" weights."""
-    return str(make_model("tiny", tmp_path_factory.mktemp("tiny-seed1") / "tiny", seed=1, dtype="float32",
-                          progress=False))
 
 
 @pytest.fixture(scope="module")

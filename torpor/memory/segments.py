@@ -116,7 +116,7 @@ class SegmentStore(ABC):
                 try:
                     self._copy_out(fresh)
                 except BaseException:
-                    self._take_back(dropped)
+                    self.wake(dict.fromkeys(dropped, Action.DISCARD))  # no tag left unmapped: back, zeroed
                     raise
             else:
                 # Host copies still to make (a sleep before the reservation ended): each buffer is made while the
@@ -154,17 +154,6 @@ class SegmentStore(ABC):
                 self._free_backup(seg)
                 seg.backup = None
             raise
-
-    def _take_back(self, dropped: dict[str, list[Segment]]) -> None:
-        """Undo the release of discarded segments (a sleep failed after it): mapped again, zeroed, as a discard's
-        wake would make them."""
-        segs = [seg for segs in dropped.values() for seg in segs if not seg.resident]
-        for seg in segs:
-            seg.holds_copy = False
-            self._restore(seg)
-        self._finish_fills()
-        for seg in segs:
-            seg.resident = True
 
     def _release_tag(self, tag: str, segs: list[Segment], action: Action, fresh: list[Segment]) -> TagReport:
         """Release `segs` (the tag's resident segments; an offload's copies queued already) and report it."""
