@@ -383,34 +383,6 @@ def test_reserve_host_pins_the_copies_before_the_first_sleep():
     mm.close()
 
 
-def test_host_copies_carved_from_prefaulted_memory_offload_and_wake_exactly():
-    """`prefault_host` faults host memory in ahead; the large copies made next are carved out of it (and only
-    registered), a sleep through them restores every byte, what they did not take goes back after that sleep, and
-    the mapping goes once the copies are freed."""
-    mm = MemoryManager("cuda")
-    assert mm.prefault_host(512 * MiB) == 512 * MiB
-    region = mm._backend._prefault
-    with mm.tag("w"):
-        big = torch.randn(32 * MiB, device="cuda")  # 128 MiB: carved
-        mid = torch.randn(24 * MiB, device="cuda")  # 96 MiB: carved
-        small = torch.randn(1000, device="cuda")  # a small segment: pinned by cuMemHostAlloc as before
-    refs = [t.clone() for t in (big, mid, small)]
-    mm.reserve_host(["w"])
-    copies = {s.size: s.backup for s in mm._backend.of_tag("w")}
-    carved = [b for size, b in copies.items() if size >= 64 * MiB]
-    assert len(carved) == 2 and all(b._region is region and b._registered for b in carved)
-    assert all(b._region is None for size, b in copies.items() if size < 64 * MiB)
-    mm.sleep({"w": "offload"})
-    assert mm._backend._prefault is None and region._closed  # the untaken rest went back after the sleep
-    mm.wake()
-    assert all(torch.equal(t, r) for t, r in zip((big, mid, small), refs, strict=True))
-    mm.sleep({"w": "discard"})  # drops the host copies: the region's last ranges go, and its mapping with them
-    mm._backend.wait_host_frees()
-    assert region._map.closed
-    mm.wake()
-    mm.close()
-
-
 def test_a_dropped_registered_buffer_is_unregistered_before_its_memory_is_unmapped():
     """A registered buffer collected without free() (an engine never closed) must leave the driver no
     registration of unmapped memory: the next mapping at that address would fail (ALREADY_MAPPED, then
@@ -449,10 +421,10 @@ def test_a_background_reservation_pins_outside_the_locks_the_engine_takes(monkey
     pinning, go_on = threading.Event(), threading.Event()
     real_allocate = cuda_backend.HostBuffer.allocate
 
-    def slow_allocate(size, kind, prefault=None):
+    def slow_allocate(size, kind):
         pinning.set()
         assert go_on.wait(60), "the owner could not use the manager while a copy was being pinned"
-        return real_allocate(size, kind, prefault)
+        return real_allocate(size, kind)
 
     monkeypatch.setattr(cuda_backend.HostBuffer, "allocate", staticmethod(slow_allocate))
     reservation = mm.reserve_host_in_background(["w"])

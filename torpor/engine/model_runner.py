@@ -104,11 +104,6 @@ class ModelRunner:
         # pinned while the memory manager's tags and the model are built.
         self.staging = StagingBuffers(self.device, threads=config.load_threads or None)
         self.staging.prefetch(checkpoint_bytes(config.model))
-        # The weights' host copies (a level-1 sleep's) are pinned beside the start-up, so that a sleep right after
-        # it runs at link speed: their pages are faulted in from here on (no driver call: the start-up does not
-        # notice), and each copy is registered once the weights exist (`_reserve_weight_copies`).
-        if memory is not None and config.reserve_host_copies and config.load_format != "dummy":
-            memory.prefault_host(checkpoint_bytes(config.model) // config.tensor_parallel_size)
         # The stream and its GEMM workspace are given up when the runner goes (see EngineStream.close).
         self._finalizer = weakref.finalize(self, self.engine_stream.close)
         self._finalizer.atexit = False  # no CUDA calls while the interpreter shuts down
@@ -131,11 +126,6 @@ class ModelRunner:
                 self.engine_stream.make_gemm_workspace(use_torch=config.gemm == "torch")
         with self._tag("weights"), timed_phase("model_build"):
             self.model = build_model(self.model_config, self.backend, self.dtype, self.device, config.max_model_len)
-        if on_gpu and self.memory is not None and config.reserve_host_copies and config.load_format != "dummy":
-            # The weights' segments exist (unwritten): their host copies are made beside the load and the capture
-            # (registering 16 GB beside the start-up cost it 0.08 s on an H100: docs/benchmarks.md). Not with dummy
-            # weights: their graphs are captured in the global mode, which a driver call on another thread breaks.
-            self.memory.reserve_host_in_background(["weights"])
         self.graphs: CudaGraphRunner | None = None
         # On GPU every decode batch is padded to its graph bucket, eager or not: the same shapes give the
         # same kernels (the decode kernel's split count depends on the batch size), so graphs == eager.

@@ -38,7 +38,7 @@ import torch
 
 from torpor.memory import cuda_driver
 from torpor.memory.cuda_driver import CudaDriverError, VirtualMemory
-from torpor.memory.host_buffer import REGISTER_MIN_BYTES, HostBuffer, Prefault
+from torpor.memory.host_buffer import HostBuffer
 from torpor.memory.segments import DeviceOutOfMemory, Segment, SegmentStore
 from torpor.memory.system import device_used_bytes
 from torpor.memory.types import HostMemoryError
@@ -98,7 +98,6 @@ class CudaBackend(SegmentStore):
         # H200): a discarding sleep hands its old host copies to this thread and returns at once.
         self._host_freer = ThreadPoolExecutor(1, thread_name_prefix="torpor-host-free")
         self._host_frees: list[Future] = []
-        self._prefault: Prefault | None = None  # host memory faulted in for the first host copies (prefault)
         with _STORES_LOCK:
             _STORES.append(self)
 
@@ -116,29 +115,7 @@ class CudaBackend(SegmentStore):
         """Drop the pools. PyTorch then returns their segments through `free` once their tensors
         are gone and `torch.cuda.empty_cache()` runs; the callbacks keep this object alive."""
         self.pools.clear()
-        self.end_prefault()
         self.wait_host_frees()
-
-    # ---- host memory ahead of the first sleep --------------------------------------------
-    def prefault(self, nbytes: int) -> int:
-        """Host memory for `nbytes` of pinned copies faulted in on background threads; the large buffers made next
-        (`_reserve_backups`, `reserve_one`) are carved out of it and only registered. 0 (nothing started) for
-        pageable copies, a small size, or a host without the memory (the copies are then pinned as before)."""
-        self.end_prefault()
-        if self.max_host_bytes is not None:
-            nbytes = min(nbytes, self.max_host_bytes - self.host_backup_bytes())
-        if self.host_backup != "pinned" or nbytes < REGISTER_MIN_BYTES:
-            return 0
-        try:
-            self._prefault = Prefault(nbytes)
-        except (MemoryError, OSError):
-            return 0
-        return self._prefault.size
-
-    def end_prefault(self) -> None:
-        prefault, self._prefault = self._prefault, None
-        if prefault is not None:
-            prefault.close()
 
     def pool_id(self, tag: str) -> tuple[int, int]:
         return self.pools[tag].id
@@ -215,7 +192,7 @@ class CudaBackend(SegmentStore):
         try:
             for seg in segments:
                 if seg.backup is None:
-                    seg.backup = HostBuffer.allocate(seg.size, self.host_backup, self._prefault)
+                    seg.backup = HostBuffer.allocate(seg.size, self.host_backup)
                     made.append(seg)
         except (MemoryError, OSError, CudaDriverError) as exc:
             for seg in made:
@@ -236,7 +213,7 @@ class CudaBackend(SegmentStore):
             self._check_host_budget([seg])
         self.wait_host_frees()  # old copies go before new ones are pinned
         try:
-            buffer = HostBuffer.allocate(seg.size, self.host_backup, self._prefault)
+            buffer = HostBuffer.allocate(seg.size, self.host_backup)
         except (MemoryError, OSError, CudaDriverError) as exc:
             raise HostMemoryError(f"no host memory for a {seg.size / 2**20:.0f} MiB {self.host_backup} copy "
                                   f"({exc})") from None

@@ -196,7 +196,6 @@ class MemoryManager:
                 self._states[tag] = TagState.ASLEEP
                 self._actions[tag] = action
                 self._clean.discard(tag)
-            self._backend.end_prefault()  # the copies this sleep needed are made: the rest goes back
         return Report("sleep", tuple(reports), time.perf_counter() - start)
 
     def check_sleep(self, actions: Mapping[str, str | Action]) -> None:
@@ -245,19 +244,6 @@ class MemoryManager:
         self._check_context("reserve_host")
         with self._lock, self._on_device():
             return self._backend.reserve(names)
-
-    def prefault_host(self, nbytes: int) -> int:
-        """Start faulting in host memory for `nbytes` of host copies on a few background threads (CUDA, pinned
-        copies), before the tags fill (an engine: before its weights load). Pinning a host copy is faulting its
-        pages in, then registering them; the buffers made next (`reserve_host`, the background reservation, a sleep)
-        are carved out of this memory and only registered. What they do not take goes back when the background
-        reservation ends, after the next sleep, and at `close()`. Returns the bytes (0: nothing to gain here, e.g.
-        CPU, pageable copies, or a host without the memory; the copies are then pinned as they are made)."""
-        self._check_context("prefault_host")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
-        with self._lock:
-            return self._backend.prefault(nbytes)
 
     def reserve_host_in_background(self, tags: Iterable[str] | str,
                                    on_done: Callable[[HostReservation], None] | None = None) -> HostReservation:
@@ -353,7 +339,6 @@ class MemoryManager:
             self.check_checkpoint()
             self.usage()  # refresh the readings given while checkpointed
             self._last_device_used = self._backend.device_used_bytes()
-            self._backend.end_prefault()
             self._backend.quiesce()
             return checkpoint.checkpoint_process(lock_timeout_s=lock_timeout_s, timeout_s=timeout_s)
 
@@ -515,7 +500,6 @@ class HostReservation:
                 with host_buffer.in_background():  # a few threads pin: the start-up beside keeps the cores
                     made = self._reserve_one()
                 if made is None:
-                    self._backend.end_prefault()  # every copy is made: what they did not take goes back
                     break
                 self.reserved_bytes += made
         except BaseException as exc:  # reported through `error`; the sleep reserves what is missing

@@ -223,14 +223,6 @@ class SegmentStore(ABC):
         backend whose buffers take long to make (pinning) overrides it to make the buffer outside the lock."""
         return self.reserve(tags, max_segments=1)
 
-    def prefault(self, nbytes: int) -> int:
-        """Fault in host memory for `nbytes` of host copies to come (see `MemoryManager.prefault_host`); the bytes.
-        A backend whose buffers need no pinning has nothing to gain: 0."""
-        return 0
-
-    def end_prefault(self) -> None:  # noqa: B027 (nothing to give back unless the backend prefaults)
-        """Give back what no host copy took of the prefaulted memory."""
-
     def _next_unreserved(self, tags: list[str]) -> Segment | None:
         """The first resident segment of `tags` without a host buffer (call with the lock held)."""
         return next((s for tag in tags for s in self.of_tag(tag) if s.resident and s.backup is None), None)
