@@ -63,7 +63,8 @@ def in_process(model: str, gmu: float, rounds: int) -> dict:
     usage = llm.memory_usage()
     weights = usage["tags"]["weights"]
     kv = usage["tags"]["kv_cache"]
-    result = {"llm_init_s": init_s, "first_l1_sleep_s": first["sleep"], "first_l1_wake_s": first["wake"],
+    result = {"llm_init_s": init_s, "startup_phases_s": dict(getattr(llm, "startup_phases", None) or {}),
+              "first_l1_sleep_s": first["sleep"], "first_l1_wake_s": first["wake"],
               "weights_bytes": weights.get("reserved_bytes") or weights.get("allocated_bytes"),
               "kv_bytes": kv.get("reserved_bytes") or kv.get("allocated_bytes"),
               **{f"{k}_s": statistics.median(v) for k, v in rows.items()},
