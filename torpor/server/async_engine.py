@@ -149,13 +149,23 @@ class AsyncEngine(TransferCalls):
         """Queue a request; raises ValueError if the engine rejects it. Iterate the returned stream for its
         `RequestOutput`s: with `stream` one per step that gained tokens (their `delta_*` fields), the last
         one finished."""
-        request_stream = RequestStream(self, request_id)
+        return (await self.add_requests([(request_id, prompt_token_ids, params)], stream))[0]
+
+    async def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]],
+                           stream: bool = False) -> list[RequestStream]:
+        """Queue several requests (id, prompt token ids, params) at once, all or none: one command of the engine
+        thread, so they enter the same step (added one by one, each would wait for a step: 256 prompts of one
+        completions body took 6.3 s on an H100 where one step takes ~25 ms). Raises ValueError, none queued, if the
+        engine rejects one. Returns a stream per request, in order (see `add_request`)."""
+        streams = [RequestStream(self, request_id) for request_id, _, _ in requests]
+        items = [(*request, stream, s.queue) for request, s in zip(requests, streams, strict=True)]
         try:
-            await self._call(self._add, request_id, prompt_token_ids, params, stream, request_stream.queue)
-        except asyncio.CancelledError:  # the add still runs: abort after it (the inbox is FIFO)
-            self._submit(self._abort, request_id)
+            await self._call(self._add_all, items)
+        except asyncio.CancelledError:  # the adds still run: abort after them (the inbox is FIFO)
+            for request_id, _, _ in requests:
+                self._submit(self._abort, request_id)
             raise
-        return request_stream
+        return streams
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise the engine's `RequestError` if it would refuse this request (asleep or not; reads only
@@ -542,10 +552,17 @@ class AsyncEngine(TransferCalls):
             self._post(_deliver, deliveries)
         self._check_waiters()
 
-    def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: bool,
-             request_queue: asyncio.Queue) -> None:
-        self._engine.add_request(token_ids, params, request_id, stream)
-        self._queues[request_id] = request_queue
+    def _add_all(self, items: list[tuple[str, list[int], SamplingParams, bool, asyncio.Queue]]) -> None:
+        added: list[str] = []
+        try:
+            for request_id, token_ids, params, stream, request_queue in items:
+                self._engine.add_request(token_ids, params, request_id, stream)
+                self._queues[request_id] = request_queue
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:  # all or none
+                self._abort(request_id)
+            raise
 
     def _abort(self, request_id: str) -> None:
         if self._queues.pop(request_id, None) is not None:

@@ -66,8 +66,9 @@ async def submit(request: Request, server: ServerState, prompts: Sequence[list[i
     timeout = await wait_if_asleep(request, server)
     submitted = Submitted(server, [], timeout)
     try:
-        for request_id, token_ids, sampling in zip(request_ids, prompts, each, strict=True):
-            submitted.streams.append(await server.engine.add_request(request_id, token_ids, sampling, stream=stream))
+        # one command: every prompt of the body enters the same engine step
+        submitted.streams.extend(await server.engine.add_requests(list(zip(request_ids, prompts, each, strict=True)),
+                                                                  stream=stream))
     except BaseException as exc:
         submitted.abort()
         if isinstance(exc, ValueError) and "already in use" in str(exc):
