@@ -273,6 +273,11 @@ def test_a_running_request_id_cannot_be_reused(sgl):
         error = error_of(http.post("/generate", json={"text": "hi", "rid": "busy", "sampling_params": {
             "max_new_tokens": 1}}), 400)
         assert error["param"] == "rid" and "busy" in error["message"]
+        # a batch with one id in use is refused whole: its other prompt is not queued either
+        error = error_of(http.post("/generate", json={"text": ["a", "b"], "rid": ["fresh", "busy"],
+                                                      "sampling_params": {"max_new_tokens": 1}}), 400)
+        assert error["param"] == "rid" and "busy" in error["message"]
+        assert "fresh" not in sgl[3].state.server.engine._engine.request_ids()
     # closing the stream aborted it: the id is free again
     wait_for(lambda: http.post("/generate", json={"text": "hi", "rid": "busy", "sampling_params": {
         "max_new_tokens": 1}}).status_code == 200, what="the aborted request to free its id")
