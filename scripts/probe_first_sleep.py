@@ -80,6 +80,21 @@ def _sleep_s(llm) -> float:
     return time.perf_counter() - start
 
 
+def _beside_llm(model: str, gmu: float, work):
+    """`work()` on a thread started just before `LLM(reserve_host_copies=False)`: (the LLM, seconds `LLM()` took,
+    seconds until `work` ended), both from the same start."""
+    from torpor import LLM
+
+    done: dict[str, float] = {}
+    start = time.perf_counter()
+    worker = threading.Thread(target=lambda: (work(), done.setdefault("t", time.perf_counter() - start)))
+    worker.start()
+    llm = LLM(model, gpu_memory_utilization=gmu, reserve_host_copies=False)
+    init_s = time.perf_counter() - start
+    worker.join()
+    return llm, init_s, done["t"]
+
+
 def child(model: str, mode: str, gmu: float) -> dict:
     from torpor import LLM
 
@@ -99,15 +114,7 @@ def child(model: str, mode: str, gmu: float) -> dict:
     m, ptr = _region(size)
     if mode.startswith("touch:"):
         threads = int(mode.split(":")[1])
-        done: dict[str, float] = {}
-        start = time.perf_counter()
-        worker = threading.Thread(target=lambda: (_touch(ptr, size, threads),
-                                                  done.setdefault("t", time.perf_counter() - start)))
-        worker.start()
-        llm = LLM(model, gpu_memory_utilization=gmu, reserve_host_copies=False)
-        out["llm_init_s"] = time.perf_counter() - start
-        worker.join()
-        out["touch_done_s"] = done["t"]
+        llm, out["llm_init_s"], out["touch_done_s"] = _beside_llm(model, gmu, lambda: _touch(ptr, size, threads))
         for n in (1, 4, 8):
             out[f"register_{n}_threads_s"] = _register(ptr, size, n)
             _unregister(ptr, size)
@@ -115,15 +122,7 @@ def child(model: str, mode: str, gmu: float) -> dict:
         t0 = time.perf_counter()
         _touch(ptr, size, 16)
         out["touch_16_threads_s"] = time.perf_counter() - t0
-        done = {}
-        start = time.perf_counter()
-        worker = threading.Thread(target=lambda: (_register(ptr, size, 1),
-                                                  done.setdefault("t", time.perf_counter() - start)))
-        worker.start()
-        llm = LLM(model, gpu_memory_utilization=gmu, reserve_host_copies=False)
-        out["llm_init_s"] = time.perf_counter() - start
-        worker.join()
-        out["register_done_s"] = done["t"]
+        llm, out["llm_init_s"], out["register_done_s"] = _beside_llm(model, gmu, lambda: _register(ptr, size, 1))
         _unregister(ptr, size)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
